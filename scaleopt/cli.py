@@ -1,0 +1,115 @@
+"""The one command line of scaleopt.
+
+  scaleopt train --config configs/train/<name>.yaml --out RUN_DIR [--set a.b=v ...] [--resume]
+  scaleopt sweep --config configs/sweeps/<name>.yaml --out DIR [--set a.b=v ...]
+  scaleopt data prepare --input TEXT_FILE_OR_DIR --out DIR [--tokenizer bytes|bpe:VOCAB]
+  scaleopt bias-study [--out docs/results.md]
+  scaleopt run-default --out results        (what `make run` runs)
+
+Subcommands import their package lazily so that `scaleopt --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import runpy
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _train(args: argparse.Namespace) -> int:
+  from scaleopt.train.main import train_main
+
+  return train_main(args.config, args.out, overrides=args.set, resume=args.resume) or 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+  from scaleopt.scaling.sweep import sweep_main
+
+  return sweep_main(args.config, args.out, overrides=args.set) or 0
+
+
+def _data_prepare(args: argparse.Namespace) -> int:
+  from scaleopt.train.data import prepare_main
+
+  return prepare_main(args.input, args.out, tokenizer=args.tokenizer) or 0
+
+
+def _bias_study(args: argparse.Namespace) -> int:
+  study = runpy.run_path(str(ROOT / "experiments" / "bias_reduction" / "study.py"))
+  return study["main"](["--out", args.out] + (["--quick"] if args.quick else [])) or 0
+
+
+def _run_default(args: argparse.Namespace) -> int:
+  """The main job on the embedded default: every capability that has landed, small."""
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  ran = []
+  try:
+    from scaleopt.train.demo import run_default as train_demo
+  except ImportError:
+    train_demo = None
+  if train_demo is not None:
+    train_demo(out)
+    ran.append("train")
+  try:
+    from scaleopt.scaling.demo import run_default as sweep_demo
+  except ImportError:
+    sweep_demo = None
+  if sweep_demo is not None:
+    sweep_demo(out)
+    ran.append("sweep")
+  study = runpy.run_path(str(ROOT / "experiments" / "bias_reduction" / "study.py"))
+  study["main"](["--out", str(out / "bias_reduction.md"), "--quick"])
+  ran.append("bias-study")
+  print(f"\nmake run finished: {', '.join(ran)}; outputs in {out}/")
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="scaleopt", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = p.add_subparsers(dest="command", required=True)
+
+  t = sub.add_parser("train", help="pretrain a language model from a config file")
+  t.add_argument("--config", required=True)
+  t.add_argument("--out", required=True)
+  t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="dotted override, e.g. --set optimizer.lr=3e-4 (repeatable)")
+  t.add_argument("--resume", action="store_true", help="continue from RUN_DIR's last checkpoint")
+  t.set_defaults(fn=_train)
+
+  s = sub.add_parser("sweep", help="run a scaling-exponent sweep from a config file")
+  s.add_argument("--config", required=True)
+  s.add_argument("--out", required=True)
+  s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  s.set_defaults(fn=_sweep)
+
+  d = sub.add_parser("data", help="data utilities")
+  dsub = d.add_subparsers(dest="data_command", required=True)
+  dp = dsub.add_parser("prepare", help="tokenize text into memory-mapped token shards")
+  dp.add_argument("--input", required=True)
+  dp.add_argument("--out", required=True)
+  dp.add_argument("--tokenizer", default="bytes", help="bytes | bpe:VOCAB_SIZE")
+  dp.set_defaults(fn=_data_prepare)
+
+  b = sub.add_parser("bias-study", help="measure the bias of std/cf/inv/full updates")
+  b.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
+  b.add_argument("--quick", action="store_true")
+  b.set_defaults(fn=_bias_study)
+
+  r = sub.add_parser("run-default", help="what `make run` runs")
+  r.add_argument("--out", default="results")
+  r.set_defaults(fn=_run_default)
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  return args.fn(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,1 @@
+"""scaleopt.models (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""scaleopt.scaling (see docs/architecture.md)."""

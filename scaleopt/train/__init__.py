@@ -1,0 +1,1 @@
+"""scaleopt.train (see docs/architecture.md)."""
