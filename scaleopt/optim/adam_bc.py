@@ -104,8 +104,8 @@ def adam_bc_spec(mode: str = "std", crossfit: str = "ab", correction: Optional[s
 
 def find_adam_bc_state(opt_state: PyTree) -> ScaleByAdamBCState:
   """The one ``ScaleByAdamBCState`` inside an optimizer state (chain, partition, ...)."""
-  found = [x for x in jax.tree.leaves(opt_state,
-                                      is_leaf=lambda x: isinstance(x, ScaleByAdamBCState))
+  stop = lambda x: isinstance(x, (ScaleByAdamBCState, FullBatchState))
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=stop)
            if isinstance(x, ScaleByAdamBCState)]
   if len(found) != 1:
     raise ValueError(f"expected exactly one ScaleByAdamBCState in the optimizer state, found "
@@ -187,7 +187,7 @@ def scale_by_adam_bc(
     support_clip_tau: float = 0.0,
     std_warmup_steps: int = 0,
     skip_nonfinite: bool = True,
-    state_dtype=jnp.float32,
+    state_dtype: str = "float32",
 ) -> optax.GradientTransformationExtraArgs:
   """Adam's scaling with cross-fitting and variance-corrected inversion.
 
@@ -218,9 +218,13 @@ def scale_by_adam_bc(
     std_warmup_steps: run plain Adam on the full batch for the first K steps.
     skip_nonfinite: a tensor whose update is not finite gets a zero update and keeps its
       moments.
-    state_dtype: dtype of m and v (float32 by default, also for bf16 parameters).
+    state_dtype: dtype name of m and v (float32 by default, also for bf16 parameters).
+
+  Numeric arguments may be arrays (``optax.inject_hyperparams`` turns them into state).
   """
   correction = _resolve(mode, crossfit, correction, v_source)
+  state_dtype = jnp.dtype(state_dtype)
+  maybe_warm = not (isinstance(std_warmup_steps, int) and std_warmup_steps == 0)
   if correction == "pre_ema" and mode == "full" and crossfit == "loo":
     raise ValueError("crossfit='loo' implements the post-EMA (fold-variance) correction only; "
                      "use correction='post_ema'")
@@ -247,7 +251,7 @@ def scale_by_adam_bc(
     mu_l, nu_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
     flat = lambda tree: td.flatten_up_to(tree) if tree is not None else [None] * len(g_l)
     st = bc_stats
-    need = mode != "std" or std_warmup_steps > 0
+    need = mode != "std" or maybe_warm
     full_l = flat(st.full) if (st is not None and need) else [None] * len(g_l)
     a_l = flat(st.a.mean) if (st is not None and st.a is not None and mode != "std") else flat(None)
     b_mean_l = flat(st.b.mean) if (st is not None and st.b is not None and mode != "std") else flat(None)
@@ -260,7 +264,7 @@ def scale_by_adam_bc(
       if loo is None:
         raise ValueError("crossfit='loo' needs bc_stats from a 'loo' collector layout")
       first_l, third_l, dvar_l = flat(loo.mean["first"]), flat(loo.mean["third"]), flat(loo.var)
-    warm = (state.count < std_warmup_steps) if std_warmup_steps > 0 else None
+    warm = (state.count < std_warmup_steps) if maybe_warm else None
 
     new_u, new_mu, new_nu = [], [], []
     for i, (g, mu, nu) in enumerate(zip(g_l, mu_l, nu_l)):
@@ -293,10 +297,9 @@ def scale_by_adam_bc(
           x, var_x = statistic(g, b_var_l[i], b_sq_l[i], b_var_l[i])
         else:
           x, var_x = statistic(b_mean_l[i], b_var_l[i], b_sq_l[i], b_var_l[i])
-          if crossfit_alpha != 1.0:
-            g_a = a_l[i]
-            x = (1 - crossfit_alpha) * g_a * g_a + crossfit_alpha * x
-            var_x = None if var_x is None else (crossfit_alpha ** 2) * var_x
+          # partial cross-fit; alpha = 1 leaves x and Var(x) bit-identical
+          x = (1 - crossfit_alpha) * (g * g) + crossfit_alpha * x
+          var_x = None if var_x is None else (crossfit_alpha * crossfit_alpha) * var_x
         if correction != "none" and var_x is None:
           raise ValueError("a variance correction needs bc_stats with group variances "
                            "(collector spec from adam_bc_spec with the same settings)")
@@ -307,10 +310,10 @@ def scale_by_adam_bc(
         inv = _inverse(v_hat, var_x if correction != "none" else None, b, eps, correction,
                        correction_scale, reference_pre_ema)
         u = m_hat * inv
-        if support_clip_tau > 0 and mode != "inv":
-          g_a = g
-          ratio = support_clip_tau * (x + 1e-12) / (g_a * g_a + 1e-12)
-          u = u * jnp.minimum(1.0, jnp.sqrt(ratio))
+        if mode != "inv" and not (isinstance(support_clip_tau, (int, float))
+                                  and support_clip_tau == 0):
+          ratio = support_clip_tau * (x + 1e-12) / (g * g + 1e-12)
+          u = jnp.where(support_clip_tau > 0, u * jnp.minimum(1.0, jnp.sqrt(ratio)), u)
       elif crossfit == "symmetric":
         # persistent moments from the full batch (numerator `updates` = g_full)
         m_new = (1 - b1) * g + b1 * mu
@@ -333,8 +336,8 @@ def scale_by_adam_bc(
           u = jnp.where(jnp.sign(u) != jnp.sign(u_first), 0.0, u)
         else:
           u = u_first
-      if update_clip > 0:
-        u = jnp.clip(u, -update_clip, update_clip)
+      if not (isinstance(update_clip, (int, float)) and update_clip == 0):
+        u = jnp.where(update_clip > 0, jnp.clip(u, -update_clip, update_clip), u)
       if warm is not None:
         u_w, m_w, v_w = adam_std(full_l[i] if full_l[i] is not None else g)
         u = jnp.where(warm, u_w, u)
@@ -368,7 +371,15 @@ def adamw_bc(
     mask: Optional[Union[PyTree, Callable[[PyTree], PyTree]]] = None,
     sparse_filter: Optional[Callable[[PyTree], PyTree]] = None,
     sparse_learning_rate: Optional[optax.ScalarOrSchedule] = None,
-    **bc_kwargs,
+    v_source: str = "sq_of_mean",
+    correction_scale: float = 1.0,
+    reference_pre_ema: bool = False,
+    crossfit_alpha: float = 1.0,
+    update_clip: float = 0.0,
+    support_clip_tau: float = 0.0,
+    std_warmup_steps: int = 0,
+    skip_nonfinite: bool = True,
+    state_dtype: str = "float32",
 ) -> optax.GradientTransformationExtraArgs:
   """AdamW with bias correction: ``scale_by_adam_bc`` + decoupled weight decay + learning rate.
 
@@ -386,19 +397,24 @@ def adamw_bc(
       embeddings, tied heads). Those are trained with plain AdamW on the full-batch gradient
       (``bc_stats.full``) and ``sparse_learning_rate`` (default ``learning_rate``), through
       ``optax.partition``, as in the paper's hybrid LOO run.
-    **bc_kwargs: forwarded to ``scale_by_adam_bc``.
+    v_source, correction_scale, reference_pre_ema, crossfit_alpha, update_clip,
+    support_clip_tau, std_warmup_steps, skip_nonfinite, state_dtype: see
+      ``scale_by_adam_bc`` (explicit so that ``optax.inject_hyperparams`` sees them).
   """
   dense = optax.chain(
       scale_by_adam_bc(b1, b2, eps, mode=mode, crossfit=crossfit, correction=correction,
-                       **bc_kwargs),
+                       v_source=v_source, correction_scale=correction_scale,
+                       reference_pre_ema=reference_pre_ema, crossfit_alpha=crossfit_alpha,
+                       update_clip=update_clip, support_clip_tau=support_clip_tau,
+                       std_warmup_steps=std_warmup_steps, skip_nonfinite=skip_nonfinite,
+                       state_dtype=state_dtype),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )
   if sparse_filter is None:
     return dense
   sparse = optax.chain(
-      _full_batch(scale_by_adam_bc(b1, b2, eps, mode="std",
-                                   state_dtype=bc_kwargs.get("state_dtype", jnp.float32))),
+      _full_batch(scale_by_adam_bc(b1, b2, eps, mode="std", state_dtype=state_dtype)),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(
           learning_rate if sparse_learning_rate is None else sparse_learning_rate),
@@ -410,8 +426,16 @@ def adamw_bc(
   return optax.partition({"dense": dense, "sparse": sparse}, labels)
 
 
+class FullBatchState(NamedTuple):
+  """State of the sparse (full-batch AdamW) branch of ``adamw_bc``."""
+  inner: PyTree
+
+
 def _full_batch(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
   """Feeds ``bc_stats.full`` (when given) to ``inner`` instead of the numerator gradient."""
+
+  def init_fn(params):
+    return FullBatchState(inner.init(params))
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     if bc_stats is not None:
@@ -420,6 +444,7 @@ def _full_batch(inner: optax.GradientTransformation) -> optax.GradientTransforma
       f_l = td.flatten_up_to(bc_stats.full)
       updates = jax.tree.unflatten(
           td, [u if is_masked(u) else f.astype(u.dtype) for u, f in zip(u_l, f_l)])
-    return inner.update(updates, state, params)
+    updates, new = inner.update(updates, state.inner, params)
+    return updates, FullBatchState(new)
 
-  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -39,6 +39,7 @@ GradFn = Callable[[PyTree, PyTree], tuple[jax.Array, PyTree, PyTree]]
 
 LAYOUTS = ("all", "ab", "rolling_b", "symmetric", "loo")
 VAR_OF = (None, "grad", "sq")
+ESTIMATORS = (None, "gnb", "hutchinson", "shampoo")
 
 
 class GroupStats(NamedTuple):
@@ -82,6 +83,9 @@ class BCStats(NamedTuple):
     loo: leave-one-out fold statistics (layout ``loo`` only).
     loss: mean loss over the step's microbatches (group A and B together).
     aux: mean of the loss function's auxiliary outputs.
+    precond: statistics of an optimizer-specific estimator pass, filled by
+      ``sophia.sophia_collect`` (curvature) and ``shampoo.shampoo_collect`` (factor
+      statistics); None from ``collect``.
   """
   numerator: PyTree
   full: PyTree
@@ -90,6 +94,7 @@ class BCStats(NamedTuple):
   loo: Optional[LOOStats]
   loss: jax.Array
   aux: PyTree
+  precond: Any = None  # optimizer-specific estimator output (Sophia, Shampoo); None otherwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,17 +107,34 @@ class CollectorSpec:
       ``"grad"`` (g_j) or ``"sq"`` (g_j * g_j).
     need_sq: also return the mean of per-microbatch squares.
     fold_fn_factory: for ``loo``: ``opt_state -> fold_fn(g_r, g_full, m)``.
+    estimator: extra pass the optimizer needs: None, ``"gnb"`` / ``"hutchinson"`` (Sophia's
+      curvature, ``sophia.sophia_collect``) or ``"shampoo"`` (factor statistics,
+      ``shampoo.shampoo_collect``); ``build.collect_step`` dispatches on it.
+    refresh_every: the estimator pass runs on steps with count % refresh_every == 0 (under
+      ``lax.cond``); other steps only need group A (and, for ``ab``, use both halves).
+    needs_logits: the estimator needs ``logits_fn`` (GNB).
+    needs_key: the estimator needs a PRNG key per step.
+    estimator_options: static settings of the estimator pass, a tuple of (name, value) pairs.
   """
   layout: str = "all"
   var_of: Optional[str] = None
   need_sq: bool = False
   fold_fn_factory: Optional[Callable[[PyTree], Callable]] = None
+  estimator: Optional[str] = None
+  refresh_every: int = 1
+  needs_logits: bool = False
+  needs_key: bool = False
+  estimator_options: tuple = ()
 
   def __post_init__(self):
     if self.layout not in LAYOUTS:
       raise ValueError(f"CollectorSpec.layout={self.layout!r}; allowed: {LAYOUTS}")
     if self.var_of not in VAR_OF:
       raise ValueError(f"CollectorSpec.var_of={self.var_of!r}; allowed: {VAR_OF}")
+    if self.estimator not in ESTIMATORS:
+      raise ValueError(f"CollectorSpec.estimator={self.estimator!r}; allowed: {ESTIMATORS}")
+    if self.refresh_every < 1:
+      raise ValueError(f"CollectorSpec.refresh_every={self.refresh_every!r} must be >= 1")
     if self.layout == "loo" and self.fold_fn_factory is None:
       raise ValueError("CollectorSpec(layout='loo') needs fold_fn_factory")
 
