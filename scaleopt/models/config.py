@@ -102,8 +102,12 @@ class ModelConfig:
   # Numerics and performance.
   dtype: str = "bfloat16"  # compute dtype; parameters are always float32
   remat: str = "none"  # none | full | dots (save matmul outputs without batch dims)
+  scan_unroll: int = 1  # jax.lax.scan unroll over layer units (1: rolled loop)
   attention_impl: str = "auto"  # auto: cudnn on GPU with 16-bit dtype, else xla
   max_seq_len: int = 1024  # used for FLOP accounting defaults only
+  # LM-head matmul output dtype before the cast to float32 logits. False (MaxText's default):
+  # bf16 dot, then float32 (10% faster for gpt2-small on H200); True: float32 dot output.
+  logits_dot_in_fp32: bool = False
 
   # --- derived -------------------------------------------------------------------------
   @property
@@ -142,7 +146,7 @@ class ModelConfig:
   def validate(self) -> "ModelConfig":
     """Raises ValueError naming the bad field and the allowed values; returns self."""
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                 "rope_theta", "norm_eps", "init_std", "max_seq_len"):
+                 "rope_theta", "norm_eps", "init_std", "max_seq_len", "scan_unroll"):
       _check_positive(name, getattr(self, name))
     if self.head_dim is not None:
       _check_positive("head_dim", self.head_dim)

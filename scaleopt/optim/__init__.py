@@ -15,3 +15,20 @@ __all__ = [
     "ScaleByAdamBCState", "adam_bc_spec", "adamw_bc", "find_adam_bc_state", "loo_fold_fn",
     "scale_by_adam_bc", "delta",
 ]
+
+# Issue 3: schedules, optimizers from config, Sophia, Shampoo.
+from scaleopt.optim.schedules import ScheduleConfig, make_schedule
+from scaleopt.optim import gnb, shampoo, sophia
+from scaleopt.optim.sophia import (ScaleBySophiaState, SophiaCurvature, scale_by_sophia,
+                                   sophia_bc, sophia_collect, sophia_spec)
+from scaleopt.optim.shampoo import (ScaleByShampooState, ShampooPrecond, scale_by_shampoo,
+                                    shampoo_bc, shampoo_collect, shampoo_spec)
+from scaleopt.optim.build import EXTRA_KEYS, NAMES, OptimizerConfig, build, collect_step
+
+__all__ += [
+    "ScheduleConfig", "make_schedule", "gnb", "shampoo", "sophia", "ScaleBySophiaState",
+    "SophiaCurvature", "scale_by_sophia", "sophia_bc", "sophia_collect", "sophia_spec",
+    "ScaleByShampooState", "ShampooPrecond", "scale_by_shampoo", "shampoo_bc",
+    "shampoo_collect", "shampoo_spec", "EXTRA_KEYS", "NAMES", "OptimizerConfig", "build",
+    "collect_step",
+]

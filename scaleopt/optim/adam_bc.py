@@ -249,21 +249,27 @@ def scale_by_adam_bc(
     is_masked = lambda x: isinstance(x, MaskedNode)
     g_l, td = jax.tree.flatten(updates, is_leaf=is_masked)
     mu_l, nu_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
-    flat = lambda tree: td.flatten_up_to(tree) if tree is not None else [None] * len(g_l)
-    st = bc_stats
-    need = mode != "std" or maybe_warm
-    full_l = flat(st.full) if (st is not None and need) else [None] * len(g_l)
-    a_l = flat(st.a.mean) if (st is not None and st.a is not None and mode != "std") else flat(None)
-    b_mean_l = flat(st.b.mean) if (st is not None and st.b is not None and mode != "std") else flat(None)
-    b_sq_l = flat(st.b.sq) if (st is not None and st.b is not None and mode != "std") else flat(None)
-    b_var_l = flat(st.b.var) if (st is not None and st.b is not None and mode != "std") else flat(None)
-    a_sq_l = flat(st.a.sq) if (st is not None and st.a is not None and mode != "std") else flat(None)
-    a_var_l = flat(st.a.var) if (st is not None and st.a is not None and mode != "std") else flat(None)
+    st = bc_stats if mode != "std" or maybe_warm else None
+
+    def flat(get):
+      """Leaves of get(bc_stats) aligned with `updates` (Nones where not collected)."""
+      try:
+        tree = get(st) if st is not None else None
+      except AttributeError:  # a group that the layout does not have
+        tree = None
+      return td.flatten_up_to(tree) if tree is not None else [None] * len(g_l)
+
+    full_l = flat(lambda s: s.full)
+    a_l, a_sq_l, a_var_l = (flat(lambda s: s.a.mean), flat(lambda s: s.a.sq),
+                            flat(lambda s: s.a.var))
+    b_mean_l, b_sq_l, b_var_l = (flat(lambda s: s.b.mean), flat(lambda s: s.b.sq),
+                                 flat(lambda s: s.b.var))
     loo = st.loo if st is not None else None
     if mode in ("cf", "full") and crossfit == "loo":
       if loo is None:
         raise ValueError("crossfit='loo' needs bc_stats from a 'loo' collector layout")
-      first_l, third_l, dvar_l = flat(loo.mean["first"]), flat(loo.mean["third"]), flat(loo.var)
+      first_l, third_l, dvar_l = (flat(lambda s: s.loo.mean["first"]),
+                                  flat(lambda s: s.loo.mean["third"]), flat(lambda s: s.loo.var))
     warm = (state.count < std_warmup_steps) if maybe_warm else None
 
     new_u, new_mu, new_nu = [], [], []

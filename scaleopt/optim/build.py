@@ -58,8 +58,8 @@ _SOPHIA_BC_EXTRA = dict(_SOPHIA_EXTRA, mode="full", crossfit="ab", correction=No
                         rolling_b=False, correction_scale=1.0)
 _SHAMPOO_EXTRA = dict(block_size=1024, max_dim=8192, min_dim=2, stats_every=1, root_every=10,
                       damping=1e-6, eig_floor_ratio=1e-3, root_method="eigh",
-                      newton_iters=30, graft="none", graft_b2=0.999, update_clip_fro=0.0,
-                      d_max=0.0, exclude=None)
+                      newton_iters=30, graft="none", adam_b2=None, update_clip_fro=0.0,
+                      d_max=0.0, stacked="auto")
 _SHAMPOO_BC_EXTRA = dict(_SHAMPOO_EXTRA, mode="full", crossfit="ab", rolling_b=False,
                          correction_scale=1.0)
 _MUON_EXTRA = dict(ns_steps=5, nesterov=True, adam_b1=0.9, adam_b2=0.95, adam_lr_ratio=1.0,
@@ -159,8 +159,8 @@ def build(config: Union[Mapping[str, Any], OptimizerConfig], *,
     wd_mask: weight-decay mask, a pytree of bools or a callable params -> pytree of bools
       (True = decay); None decays every parameter (as the paper's code does).
     sparse_filter: callable params -> pytree of bools marking sparse-support tensors
-      (embeddings). ``adamw_bc`` trains them with full-batch AdamW (no cross-fit); Sophia and
-      Shampoo ignore it (Shampoo's own fallback handles embeddings, see ``shampoo.exclude``).
+      (embeddings). ``adamw_bc`` trains them with full-batch AdamW (no cross-fit); Shampoo
+      keeps them on its AdamW fallback (``exclude``); Sophia ignores it.
 
   Returns:
     tx: ``optax.GradientTransformationExtraArgs``; call
@@ -209,20 +209,50 @@ def build(config: Union[Mapping[str, Any], OptimizerConfig], *,
     rolling_b = kw.pop("rolling_b", False)
     crossfit = kw.pop("crossfit", "ab")
     spec = shampoo.shampoo_spec(crossfit=crossfit, rolling_b=rolling_b, b2=b2, **kw)
-    if kw.get("exclude") is None and sparse_filter is not None:
+    if sparse_filter is not None:
       kw["exclude"] = sparse_filter
     inner = shampoo.shampoo(lr, b1, b2, eps, wd, mask=wd_mask, **kw)
     return _chain(clip, inner), spec
 
-  # muon (optax.contrib): Newton-Schulz orthogonalised momentum for matrices, AdamW otherwise.
-  adam_lr = lr if ex["adam_lr_ratio"] == 1.0 else make_schedule(
-      cfg.schedule, cfg.learning_rate * ex["adam_lr_ratio"])
-  inner = optax.contrib.muon(
-      lr, ns_steps=ex["ns_steps"], beta=b1, eps=eps, weight_decay=wd,
-      weight_decay_mask=wd_mask, nesterov=ex["nesterov"], adam_b1=ex["adam_b1"],
-      adam_b2=ex["adam_b2"], adam_weight_decay=wd, adam_learning_rate=adam_lr,
-      consistent_rms=ex["consistent_rms"])
-  return _chain(clip, inner), CollectorSpec(layout="all")
+  # muon: optax.contrib's Newton-Schulz orthogonalised momentum for matrices, Adam otherwise.
+  return _chain(clip, _muon(lr, b1, eps, wd, wd_mask, sparse_filter, **ex)), CollectorSpec("all")
+
+
+def _muon(lr, beta, eps, wd, wd_mask, sparse_filter, *, ns_steps, nesterov, adam_b1, adam_b2,
+          adam_lr_ratio, consistent_rms) -> optax.GradientTransformation:
+  """optax.contrib.muon's parts with decoupled weight decay under ``wd_mask`` for all tensors.
+
+  Matrices (rank >= 2; leading axes of rank >= 3 tensors are stacked layers, and a rank-2
+  tensor whose first dim is such a stack size is a stack of vectors) take Muon, except
+  ``sparse_filter`` tensors (embeddings), which take Adam with lr * ``adam_lr_ratio``.
+  """
+  from optax.contrib import MuonDimensionNumbers, scale_by_muon
+  from optax.contrib._muon import scale_by_shape
+
+  def labels(params):
+    leaves, td = jax.tree.flatten(params)
+    sparse = (td.flatten_up_to(sparse_filter(params)) if sparse_filter is not None
+              else [False] * len(leaves))
+    stacks = {x.shape[0] for x in leaves if x.ndim >= 3}
+    lab = ["muon" if (x.ndim >= 3 or (x.ndim == 2 and x.shape[0] not in stacks)) and not sp
+           else "adam" for x, sp in zip(leaves, sparse)]
+    return jax.tree.unflatten(td, lab)
+
+  def dims(masked):
+    return jax.tree.map(
+        lambda x: x if isinstance(x, optax.MaskedNode) else MuonDimensionNumbers(
+            reduction_axis=x.ndim - 2, output_axis=x.ndim - 1),
+        masked, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+  muon = optax.chain(
+      scale_by_muon(ns_steps=ns_steps, beta=beta, eps=eps, nesterov=nesterov,
+                    weight_dimension_numbers=dims),
+      scale_by_shape(weight_dimension_numbers=dims, consistent_rms=consistent_rms))
+  adam = optax.chain(optax.scale_by_adam(adam_b1, adam_b2, eps, nesterov=nesterov),
+                     optax.scale(adam_lr_ratio))
+  return optax.chain(optax.partition({"muon": muon, "adam": adam}, labels),
+                     optax.add_decayed_weights(wd, wd_mask),
+                     optax.scale_by_learning_rate(lr))
 
 
 def collect_step(loss_fn, params: PyTree, microbatches: PyTree, spec: CollectorSpec, *,

@@ -1,7 +1,7 @@
 """Shampoo (Gupta et al. 2018; Anil et al. 2020) with the bias corrections of Nayak et al.
 
-For every eligible matrix W (2-D, min(d1, d2) >= ``min_dim``, max(d1, d2) <= ``max_dim``, not
-excluded) cut into blocks G_b of at most ``block_size`` x ``block_size`` (dims are split into
+For every eligible matrix W (2-D, or a stack of matrices along leading axes as in scanned
+models; min(d1, d2) >= ``min_dim``, max(d1, d2) <= ``max_dim``, not excluded) cut into blocks G_b of at most ``block_size`` x ``block_size`` (dims are split into
 equal blocks, padded with zeros when needed, so every block of a tensor has one shape):
 
     L_b <- b2 L_b + (1 - b2) G_b G_b^T,   R_b <- b2 R_b + (1 - b2) G_b^T G_b   (every stats_every)
@@ -51,33 +51,39 @@ MODES = ("std", "cf", "inv", "full")
 CROSSFITS = ("ab",)
 ROOT_METHODS = ("eigh", "newton")
 GRAFTS = ("none", "adam")
+STACKED = ("auto", "none")
 
 
 # ----------------------------------------------------------------------------- blocking
 
-def blocking(shape: tuple[int, int], block_size: int) -> tuple[int, int, int, int]:
-  """(nb1, bs1, nb2, bs2): dim d is split into nb = ceil(d / block_size) blocks of size
-  ceil(d / nb) (the last padded with zeros when nb does not divide d)."""
+def blocking(shape: tuple[int, ...], block_size: int) -> tuple[int, int, int, int]:
+  """(nb1, bs1, nb2, bs2) of the last two dims: dim d is split into nb = ceil(d / block_size)
+  blocks of size ceil(d / nb) (the last padded with zeros when nb does not divide d)."""
   out = []
-  for d in shape:
+  for d in shape[-2:]:
     nb = max(1, math.ceil(d / block_size))
     out += [nb, math.ceil(d / nb)]
   return tuple(out)
 
 
 def to_blocks(x: jax.Array, blk) -> jax.Array:
-  """(d1, d2) -> (nb1 * nb2, bs1, bs2), zero-padded."""
+  """(..., d1, d2) -> (n * nb1 * nb2, bs1, bs2), zero-padded; leading dims (stacked layers)
+  are a batch of n independent matrices."""
   nb1, bs1, nb2, bs2 = blk
-  d1, d2 = x.shape
-  x = jnp.pad(x, ((0, nb1 * bs1 - d1), (0, nb2 * bs2 - d2)))
-  return x.reshape(nb1, bs1, nb2, bs2).transpose(0, 2, 1, 3).reshape(nb1 * nb2, bs1, bs2)
+  d1, d2 = x.shape[-2:]
+  x = x.reshape(-1, d1, d2)
+  x = jnp.pad(x, ((0, 0), (0, nb1 * bs1 - d1), (0, nb2 * bs2 - d2)))
+  n = x.shape[0]
+  return x.reshape(n, nb1, bs1, nb2, bs2).transpose(0, 1, 3, 2, 4).reshape(
+      n * nb1 * nb2, bs1, bs2)
 
 
 def from_blocks(xb: jax.Array, shape, blk) -> jax.Array:
   """Inverse of ``to_blocks`` (drops the padding)."""
   nb1, bs1, nb2, bs2 = blk
-  x = xb.reshape(nb1, nb2, bs1, bs2).transpose(0, 2, 1, 3).reshape(nb1 * bs1, nb2 * bs2)
-  return x[:shape[0], :shape[1]]
+  x = xb.reshape(-1, nb1, nb2, bs1, bs2).transpose(0, 1, 3, 2, 4).reshape(
+      -1, nb1 * bs1, nb2 * bs2)
+  return x[:, :shape[-2], :shape[-1]].reshape(shape)
 
 
 def _gram(gb):
@@ -108,7 +114,7 @@ def root_from_eig(lam, q, var=None, *, correction_scale: float = 1.0, d_max: flo
   if d_max > 0:
     d = jnp.minimum(d, d_max)
   hp = jax.lax.Precision.HIGHEST
-  return jnp.einsum("...ik,...k,...jk->...ij", q, d, q, precision=hp)
+  return jnp.matmul(q * d[..., None, :], jnp.swapaxes(q, -1, -2), precision=hp)
 
 
 def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 30):
@@ -116,6 +122,9 @@ def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 3
 
   With A scaled by z = (1 + p) / (2 ||A||_F): M_0 = z A, X_0 = z^{1/p} I, and
   T_i = ((p + 1) I - M_i) / p,  X_{i+1} = X_i T_i,  M_{i+1} = T_i^p M_i;  X -> A^{-1/p}.
+  Each matrix stops at its smallest error max|M_i - I| seen so far once the error grows
+  (float32 round-off makes the iteration diverge on ill-conditioned inputs, as in
+  google-research's distributed Shampoo).
   """
   hp = jax.lax.Precision.HIGHEST
   n = f.shape[-1]
@@ -125,30 +134,52 @@ def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 3
   z = (1.0 + p) / (2.0 * norm)
   m0 = a * z
   x0 = jnp.broadcast_to(eye, a.shape) * z ** (1.0 / p)
+  err = lambda m: jnp.max(jnp.abs(m - eye), axis=(-2, -1), keepdims=True)
 
   def body(_, c):
-    x, m = c
+    x, m, e, done = c
     t = ((p + 1.0) * eye - m) / p
     tp = t
     for _ in range(p - 1):
       tp = jnp.matmul(tp, t, precision=hp)
-    return jnp.matmul(x, t, precision=hp), jnp.matmul(tp, m, precision=hp)
+    x_new, m_new = jnp.matmul(x, t, precision=hp), jnp.matmul(tp, m, precision=hp)
+    e_new = err(m_new)
+    done = done | ~(e_new < e * 1.2) | ~jnp.isfinite(e_new)
+    keep = done
+    return (jnp.where(keep, x, x_new), jnp.where(keep, m, m_new), jnp.where(keep, e, e_new),
+            done)
 
-  x, _ = jax.lax.fori_loop(0, iters, body, (x0, m0))
+  done0 = jnp.zeros(norm.shape, bool)
+  x, _, _, _ = jax.lax.fori_loop(0, iters, body, (x0, m0, err(m0), done0))
   return _sym(x)
 
 
 def _batched_by_size(mats: dict, fn: Callable) -> dict:
   """Applies ``fn`` to every (n_i, s, s) array, batching all arrays of one size s together
-  (one concatenation, one batched call, one split per size)."""
+  (one concatenation, one batched call, one split per size).
+
+  On CPU the calls run one matrix at a time (``lax.map``) and one size after another
+  (``optimization_barrier``): jaxlib's batched CPU LAPACK kernels split a batch over XLA's
+  intra-op thread pool and block on it, and two such kernels in flight at once can take every
+  pool thread and deadlock (seen with jax 0.10.2 on 2 cores). Accelerators keep the batched call.
+  """
+  serial = jax.default_backend() == "cpu"
   by_size: dict[int, list] = {}
   for key, a in mats.items():
     by_size.setdefault(a.shape[-1], []).append(key)
   out = {}
+  prev = None
   for s, keys in by_size.items():
     arrs = [mats[k] for k in keys]
     sizes = [a.shape[0] for a in arrs]
-    res = fn(jnp.concatenate(arrs, axis=0) if len(arrs) > 1 else arrs[0])
+    x = jnp.concatenate(arrs, axis=0) if len(arrs) > 1 else arrs[0]
+    if serial:
+      if prev is not None:
+        x, _ = jax.lax.optimization_barrier((x, prev))
+      res = jax.lax.map(lambda a: jax.tree.map(lambda r: r[0], fn(a[None])), x)
+      prev = res
+    else:
+      res = fn(x)
     offs = [0]
     for n in sizes:
       offs.append(offs[-1] + n)
@@ -280,7 +311,8 @@ def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collect
 
   for k in keys:
     blk = blocking(jax.tree.leaves(params)[int(k)].shape, bs)
-    if st.factors[k].L.shape != (blk[0] * blk[2], blk[1], blk[1]):
+    n_mat = math.prod(jax.tree.leaves(params)[int(k)].shape[:-2])
+    if st.factors[k].L.shape != (n_mat * blk[0] * blk[2], blk[1], blk[1]):
       raise ValueError("shampoo_collect: the spec's block_size does not match the optimizer "
                        "state; build spec and transform with the same settings")
 
@@ -369,6 +401,7 @@ def scale_by_shampoo(
     update_clip_fro: float = 0.0,
     d_max: float = 0.0,
     exclude: Optional[Union[PyTree, Callable[[PyTree], PyTree]]] = None,
+    stacked: str = "auto",
     mode: str = "std",
     correction_scale: float = 1.0,
     **_spec_only,
@@ -392,12 +425,17 @@ def scale_by_shampoo(
     update_clip_fro: if > 0, scale each preconditioned tensor's U to Frobenius norm <= c.
     d_max: if > 0, clip corrected roots at d_max.
     exclude: pytree of bools or callable params -> pytree; True keeps a matrix on AdamW.
+    stacked: how tensors with a leading layer axis (scanned models) are read. ``auto``: a
+      tensor of rank >= 3 is a stack of matrices (its last two dims), and a rank-2 tensor
+      whose first dim equals the leading dim of a rank >= 3 tensor of the tree is a stack of
+      vectors (AdamW); ``none``: only rank-2 tensors are matrices.
     mode: ``std|cf|inv|full``.
     correction_scale: multiplies the (5/32) lam^{-9/4} Var term.
   """
   _check("mode", mode, MODES)
   _check("root_method", root_method, ROOT_METHODS)
   _check("graft", graft, GRAFTS)
+  _check("stacked", stacked, STACKED)
   for n, v in (("block_size", block_size), ("stats_every", stats_every),
                ("root_every", root_every), ("max_dim", max_dim), ("newton_iters", newton_iters)):
     _check_int(n, v)
@@ -408,9 +446,13 @@ def scale_by_shampoo(
   ab2 = b2 if adam_b2 is None else adam_b2
   floor = eig_floor_ratio * damping
 
-  def eligible(x, excl) -> bool:
-    return (jnp.ndim(x) == 2 and min(x.shape) >= min_dim and max(x.shape) <= max_dim
-            and not excl)
+  def eligible(x, excl, stack_sizes) -> bool:
+    nd = jnp.ndim(x)
+    if excl or nd < 2 or (nd > 2 and stacked == "none"):
+      return False
+    if nd == 2 and stacked == "auto" and x.shape[0] in stack_sizes:
+      return False  # a stack of vectors (e.g. per-layer norm scales)
+    return min(x.shape[-2:]) >= min_dim and max(x.shape[-2:]) <= max_dim
 
   def init_fn(params):
     leaves, td = jax.tree.flatten(params, is_leaf=_is_masked)
@@ -420,14 +462,15 @@ def scale_by_shampoo(
       ex = exclude(params) if callable(exclude) else exclude
       excl = [bool(e) for e in td.flatten_up_to(ex)]
     factors, nu = {}, []
+    stack_sizes = {p.shape[0] for p in leaves if not _is_masked(p) and jnp.ndim(p) >= 3}
     for i, (p, e) in enumerate(zip(leaves, excl)):
       if _is_masked(p):
         nu.append(p)
         continue
-      ok = eligible(p, e)
+      ok = eligible(p, e, stack_sizes)
       if ok:
         nb1, bs1, nb2, bs2 = blocking(p.shape, block_size)
-        n = nb1 * nb2
+        n = math.prod(p.shape[:-2]) * nb1 * nb2
         eye = lambda s: jnp.broadcast_to(jnp.eye(s, dtype=jnp.float32), (n, s, s))
         factors[str(i)] = ShampooFactors(L=jnp.zeros((n, bs1, bs1), jnp.float32),
                                     R=jnp.zeros((n, bs2, bs2), jnp.float32),
@@ -497,7 +540,9 @@ def scale_by_shampoo(
                        pre.eig_L, pre.eig_R, pre.var_L, pre.var_R)
       else:
         pl, pr = roots({k: f[k].L for k in keys}, {k: f[k].R for k in keys})
-      return {k: f[k]._replace(PL=pl[k], PR=pr[k]) for k in keys}
+      # a root that failed (non-finite) keeps the previous one
+      ok = lambda new, old: jnp.where(jnp.all(jnp.isfinite(new)), new, old)
+      return {k: f[k]._replace(PL=ok(pl[k], f[k].PL), PR=ok(pr[k], f[k].PR)) for k in keys}
 
     if keys:
       fac = jax.lax.cond(is_root, do_roots, lambda f: f, fac)

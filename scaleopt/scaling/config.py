@@ -26,6 +26,7 @@ FEATURE_MAPS = ("linear", "relu", "tanh")
 TEACHERS = ("isotropic", "powerlaw")
 LR_POLICIES = ("best", "transfer")
 LR_SCALES = ("abs", "curvature")
+N_LAYOUTS = ("sliced", "padded")
 SCHEDULES = ("constant", "linear", "cosine", "inv_sqrt")
 
 # Optimizer kinds, their hyper-parameters and defaults. `lr_scale`: "curvature" means the
@@ -40,7 +41,7 @@ OPTIMIZER_KINDS: dict[str, dict[str, Any]] = {
                   "lr_scale": "curvature", "schedule": "constant"},
     "shampoo": {"lr": [1e-2, 3e-2, 1e-1, 3e-1], "eps": 1e-8, "lr_scale": "abs",
                 "schedule": "constant"},
-    "msign": {"lr": [1e-2, 3e-2, 1e-1, 3e-1, 1.0], "momentum": 0.0, "eps": 1e-12,
+    "msign": {"lr": [1e-2, 3e-2, 1e-1, 3e-1, 1.0], "momentum": 0.0, "ns_steps": 40,
               "lr_scale": "abs", "schedule": "linear"},
     "ng": {"lr": [1.0], "damping": 1e-4, "lr_scale": "curvature", "schedule": "constant"},
 }
@@ -68,7 +69,8 @@ DEFAULTS: dict[str, Any] = {
     "optimizers": {"gd": {}, "ng": {}},
     "fit": {"n_min": None, "n_max": None, "excess": True, "bootstrap": 1000, "ci": 0.95,
             "baseline": "gd", "steps": None},
-    "compute": {"x64": True, "chunk": 0, "devices": 1, "progress": True},
+    "compute": {"x64": True, "chunk": 0, "devices": 1, "progress": True, "blas_threads": 1,
+                "n_layout": "sliced"},
 }
 
 
@@ -230,6 +232,8 @@ def validate(cfg: dict) -> dict:
   _check_keys(c, list(DEFAULTS["compute"]), "compute")
   c["chunk"] = int(c["chunk"])
   c["devices"] = int(c["devices"])
+  c["blas_threads"] = int(c["blas_threads"] or 0)
+  _choice(c["n_layout"], "compute.n_layout", N_LAYOUTS)
   return cfg
 
 

@@ -1,0 +1,176 @@
+"""Cost of the microbatch statistics + adamw_bc over the gradient passes they require.
+
+Model: a plain-JAX GPT-2-style decoder (pre-norm RMSNorm, GELU MLP, tied embeddings, layers
+under lax.scan, bf16 compute, float32 parameters); the default size is GPT-2 small
+(124M parameters). Each row runs one jitted step with donated parameters and optimizer state:
+
+* baseline(P): ``optax.adamw`` after plain gradient accumulation (lax.scan, running sum)
+  over P microbatch passes;
+* each adamw_bc form: ``scaleopt.optim.collect`` + ``adamw_bc`` with the same P passes
+  (A/B and symmetric: P = m; LOO: two sweeps over m/2 microbatches... see ROWS).
+
+overhead = t(form) / t(baseline with the same passes) - 1, t = median per-step wall time.
+
+    python benchmarks/collector_overhead.py            # GPU: GPT-2 small, 8 x 16 x 1024 tokens
+    python benchmarks/collector_overhead.py --quick    # CPU: small model
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import scaleopt.optim as so
+
+
+def init_params(key, vocab, d, layers, ff):
+  ks = jax.random.split(key, 5)
+  n = lambda k, shape, s: (s * jax.random.normal(k, shape)).astype(jnp.float32)
+  return {
+      "embed": n(ks[0], (vocab, d), 0.02),
+      "layers": {
+          "ln1": jnp.ones((layers, d)), "ln2": jnp.ones((layers, d)),
+          "qkv": n(ks[1], (layers, d, 3 * d), 0.02),
+          "proj": n(ks[2], (layers, d, d), 0.02 / np.sqrt(2 * layers)),
+          "up": n(ks[3], (layers, d, ff), 0.02),
+          "down": n(ks[4], (layers, ff, d), 0.02 / np.sqrt(2 * layers)),
+      },
+      "ln_f": jnp.ones((d,)),
+  }
+
+
+def rms(x, g):
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6) * g).astype(x.dtype)
+
+
+def make_loss(heads: int, attn_impl):
+  def loss_fn(params, tokens_BxT):
+    p = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    x_BxTxD = p["embed"][tokens_BxT[:, :-1]]
+    B, T, D = x_BxTxD.shape
+
+    def layer(x, lp):
+      h = rms(x, lp["ln1"])
+      q, k, v = jnp.split(h @ lp["qkv"], 3, axis=-1)
+      sh = lambda t: t.reshape(B, T, heads, D // heads)
+      a = jax.nn.dot_product_attention(sh(q), sh(k), sh(v), is_causal=True,
+                                       implementation=attn_impl)
+      x = x + a.reshape(B, T, D) @ lp["proj"]
+      h = rms(x, lp["ln2"])
+      return x + jax.nn.gelu(h @ lp["up"]) @ lp["down"], None
+
+    x_BxTxD, _ = jax.lax.scan(jax.checkpoint(layer), x_BxTxD, p["layers"])
+    logits = (rms(x_BxTxD, p["ln_f"]) @ p["embed"].T).astype(jnp.float32)
+    tgt = tokens_BxT[:, 1:]
+    lse = jax.nn.logsumexp(logits, -1)
+    ll = jnp.take_along_axis(logits, tgt[..., None], -1)[..., 0]
+    return jnp.mean(lse - ll), {}
+  return loss_fn
+
+
+def baseline_step(loss_fn, tx):
+  vg = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def step(params, opt_state, mbs):
+    def body(acc, mb):
+      (l, _), g = vg(params, mb)
+      return (acc[0] + l, jax.tree.map(lambda s, x: s + x.astype(jnp.float32), acc[1], g)), None
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
+    (loss, g), _ = jax.lax.scan(body, (0.0, zeros), mbs)
+    m = jax.tree.leaves(mbs)[0].shape[0]
+    g = jax.tree.map(lambda x: x / m, g)
+    u, opt_state = tx.update(g, opt_state, params)
+    return optax.apply_updates(params, u), opt_state, loss / m
+  return step
+
+
+def bc_step(loss_fn, tx, spec):
+  def step(params, opt_state, mbs):
+    stats = so.collect(loss_fn, params, mbs, spec, opt_state=opt_state)
+    u, opt_state = tx.update(stats.numerator, opt_state, params, bc_stats=stats)
+    return optax.apply_updates(params, u), opt_state, stats.loss
+  return step
+
+
+def timeit(step, params, opt_state, mbs, iters):
+  f = jax.jit(step, donate_argnums=(0, 1))
+  params, opt_state, loss = f(params, opt_state, mbs)  # compile
+  params, opt_state, loss = f(params, opt_state, mbs)
+  loss.block_until_ready()
+  times = []
+  for _ in range(iters):  # median of per-step times: robust to a busy shared CPU
+    t0 = time.perf_counter()
+    params, opt_state, loss = f(params, opt_state, mbs)
+    loss.block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+# (name, adamw_bc kwargs, microbatch passes relative to m)
+ROWS = [
+    ("adamw_bc std (collector, no stats)", dict(mode="std"), 1),
+    ("adamw_bc inv (all, Welford)", dict(mode="inv", correction="post_ema"), 1),
+    ("adamw_bc cf (A/B)", dict(mode="cf", crossfit="ab"), 1),
+    ("adamw_bc full (A/B, post-EMA)", dict(mode="full", crossfit="ab"), 1),
+    ("adamw_bc full (A/B, pre-EMA)", dict(mode="full", crossfit="ab", correction="pre_ema"), 1),
+    ("adamw_bc full (symmetric)", dict(mode="full", crossfit="symmetric"), 1),
+    ("adamw_bc full (LOO, 2 sweeps)", dict(mode="full", crossfit="loo"), 2),
+]
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true", help="small CPU configuration")
+  ap.add_argument("--iters", type=int, default=None)
+  args = ap.parse_args()
+  if args.quick:
+    cfg = dict(vocab=512, d=128, layers=2, ff=512, heads=4, seq=64, mb=4, m=8)
+  else:
+    cfg = dict(vocab=50304, d=768, layers=12, ff=3072, heads=12, seq=1024, mb=16, m=8)
+  iters = args.iters or (3 if args.quick else 10)
+  gpu = jax.devices()[0].platform == "gpu"
+  loss_fn = make_loss(cfg["heads"], "cudnn" if gpu else "xla")
+  params = init_params(jax.random.PRNGKey(0), cfg["vocab"], cfg["d"], cfg["layers"], cfg["ff"])
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  dev = jax.devices()[0]
+  print(f"device: {dev.platform} {getattr(dev, 'device_kind', '')}; params {n_params/1e6:.1f}M; "
+        f"microbatch {cfg['mb']}x{cfg['seq']} tokens; m={cfg['m']}; jax {jax.__version__}")
+
+  def mbs_for(passes):
+    toks = jax.random.randint(jax.random.PRNGKey(1), (passes, cfg["mb"], cfg["seq"] + 1), 0,
+                              cfg["vocab"])
+    return toks
+
+  kw = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+  base = {}
+  for mult in sorted({r[2] for r in ROWS}):
+    passes = cfg["m"] * mult
+    tx = optax.adamw(1e-4, **kw)
+    p = jax.tree.map(jnp.copy, params)
+    base[mult] = timeit(baseline_step(loss_fn, tx), p, tx.init(p), mbs_for(passes), iters)
+  rows = [("optax.adamw + plain accumulation", cfg["m"], base[1], 0.0)]
+  if 2 in base:
+    rows.append(("optax.adamw + plain accumulation", 2 * cfg["m"], base[2], 0.0))
+  for name, bc_kw, mult in ROWS:
+    tx = so.adamw_bc(1e-4, **kw, **bc_kw)
+    spec = so.adam_bc_spec(**bc_kw, b1=0.9, b2=0.95, eps=1e-8)
+    p = jax.tree.map(jnp.copy, params)
+    m = cfg["m"] if mult == 1 else cfg["m"]  # LOO: m microbatches, two sweeps = 2m passes
+    t = timeit(bc_step(loss_fn, tx, spec), p, tx.init(p), mbs_for(m), iters)
+    rows.append((name, cfg["m"] * mult, t, t / base[mult] - 1.0))
+  print()
+  print("| step | gradient passes | ms/step | overhead vs adamw, same passes |")
+  print("|---|---|---|---|")
+  for name, passes, t, ov in rows:
+    print(f"| {name} | {passes} | {t * 1e3:.1f} | {ov * 100:+.1f}% |")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,199 @@
+"""Decoder-only Pre-Norm Transformer (Flax NNX) and its pure functional form.
+
+  x_0     = E[tokens]
+  x'      = x + Attn(Norm(x))           (+ sandwich: x + u_pa * Norm(Attn(Norm(x))))
+  x_{l+1} = x' + MLP(Norm(x'))          (MLP: SwiGLU, or top-k MoE every ``moe_every`` layers)
+  logits  = Norm(x_L) diag(gamma_final) W_U,   W_U = E^T when tied
+
+Layers are grouped into units of ``cfg.period`` blocks (``period - 1`` dense + 1 MoE block for
+MoE models, one dense block otherwise), their parameters stacked on a leading axis of size
+``n_layers / period`` (``nnx.vmap`` at init) and applied with ``jax.lax.scan``, so compile time
+does not grow with depth. Parameters are float32; compute runs in ``cfg.dtype`` (bf16) with
+norms, softmax, router and logits in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from scaleopt.models.config import ModelConfig
+from scaleopt.models.layers import (Attention, GatedMLP, Linear, Scale, effective_kernel,
+                                    get_scale, rms_norm, rope_tables)
+from scaleopt.models.moe import MoE
+
+f32 = jnp.float32
+AUX_KEYS = ("moe_lb_loss", "moe_z_loss", "moe_dropped_tokens")
+
+
+def _zeros_aux() -> dict[str, jax.Array]:
+  return {k: jnp.zeros((), f32) for k in AUX_KEYS}
+
+
+class Block(nnx.Module):
+  """One Pre-Norm block: attention then a dense SwiGLU MLP or an MoE layer."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool):
+    self.attn = Attention(cfg, rngs)
+    self.mlp = MoE(cfg, rngs) if moe else GatedMLP(cfg, rngs)
+    if cfg.post_norm:
+      self.out_scale_post_attn = Scale((cfg.d_model,), cfg.reparam)
+      self.out_scale_post_mlp = Scale((cfg.d_model,), cfg.reparam)
+    self.cfg = cfg
+    self.moe = moe
+
+  def __call__(self, x, sin, cos):
+    eps = self.cfg.norm_eps
+    h = self.attn(rms_norm(x, eps), sin, cos)
+    if self.cfg.post_norm:
+      h = rms_norm(h, eps, get_scale(self, "out_scale_post_attn"))
+    x = x + h
+    if self.moe:
+      h, aux = self.mlp(rms_norm(x, eps))
+    else:
+      h, aux = self.mlp(rms_norm(x, eps)), _zeros_aux()
+    if self.cfg.post_norm:
+      h = rms_norm(h, eps, get_scale(self, "out_scale_post_mlp"))
+    return x + h, aux
+
+
+class Unit(nnx.Module):
+  """``cfg.period`` consecutive blocks ``b0 .. b{period-1}``; the last is MoE in MoE models."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    for i in range(cfg.period):
+      setattr(self, f"b{i}", Block(cfg, rngs, moe=cfg.is_moe and i == cfg.period - 1))
+    self.period = cfg.period
+
+  def __call__(self, x, sin, cos):
+    aux = _zeros_aux()
+    for i in range(self.period):
+      x, a = getattr(self, f"b{i}")(x, sin, cos)
+      aux = jax.tree.map(jnp.add, aux, a)
+    return x, aux
+
+
+class Embed(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.embedding = nnx.Param(
+        cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), f32))
+
+
+def final_scale_name(cfg: ModelConfig) -> str | None:
+  """Name of the final norm's scale: Input-Norm unless tied with ``final_scale_role=output``."""
+  if cfg.scales == "none":
+    return None
+  if cfg.tie_embeddings and cfg.final_scale_role == "output":
+    return "out_scale_final"
+  return "in_scale_final"
+
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class Transformer(nnx.Module):
+  """``model(tokens_BxT) -> (logits_BxTxV float32, aux)``; aux holds the MoE losses
+  (``moe_lb_loss``, ``moe_z_loss`` averaged over MoE layers, ``moe_dropped_tokens`` summed
+  over MoE layers, ``moe_aux_loss`` = weighted sum); zeros for dense models."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    cfg.validate()
+    self.cfg = cfg
+    self.embed = Embed(cfg, rngs)
+
+    @nnx.split_rngs(splits=cfg.n_layers // cfg.period)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_units(r: nnx.Rngs) -> Unit:
+      return Unit(cfg, r)
+
+    self.blocks = make_units(rngs)
+    name = final_scale_name(cfg)
+    if name is not None:
+      setattr(self, name, Scale((cfg.d_model,), cfg.reparam))
+    if not cfg.tie_embeddings:
+      self.head = Linear(cfg.d_model, cfg.vocab_size, std=cfg.init_std, rngs=rngs)
+
+  def __call__(self, tokens_BxT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    emb = self.embed.embedding[...]
+    x = jnp.take(emb, tokens_BxT, axis=0).astype(dt)
+    sin, cos = rope_tables(tokens_BxT.shape[1], cfg.d_head, cfg.rope_theta)
+
+    graphdef, state = nnx.split(self.blocks)
+
+    def body(x, unit_state):
+      return nnx.merge(graphdef, unit_state)(x, sin, cos)
+
+    if cfg.remat != "none":
+      body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    x, aux = jax.lax.scan(body, x, state, unroll=cfg.scan_unroll)
+
+    gamma = None
+    name = final_scale_name(cfg)
+    if name is not None:
+      gamma = get_scale(self, name)
+    w_DxV = emb.T if cfg.tie_embeddings else self.head.kernel[...]
+    w_DxV = effective_kernel(w_DxV, gamma).astype(dt)
+    logits = jnp.einsum("btd,dv->btv", rms_norm(x, cfg.norm_eps), w_DxV,
+                        preferred_element_type=f32 if cfg.logits_dot_in_fp32 else dt)
+    logits = logits.astype(f32)
+    return logits, _reduce_aux(cfg, aux)
+
+
+def _reduce_aux(cfg: ModelConfig, aux: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  n = max(cfg.n_moe_layers, 1)
+  out = dict(moe_lb_loss=jnp.sum(aux["moe_lb_loss"]) / n,
+             moe_z_loss=jnp.sum(aux["moe_z_loss"]) / n,
+             moe_dropped_tokens=jnp.sum(aux["moe_dropped_tokens"]))
+  out["moe_aux_loss"] = (cfg.moe_lb_weight * out["moe_lb_loss"]
+                         + cfg.moe_z_weight * out["moe_z_loss"])
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Functional form.
+
+Params = dict[str, Any]
+
+
+def functional(cfg: ModelConfig) -> tuple[Callable[[jax.Array], Params],
+                                          Callable[[Params, jax.Array], tuple]]:
+  """Pure ``(init_fn, apply_fn)`` pair over plain nested dicts of float32 arrays.
+
+  ``init_fn(rng) -> params`` (``nnx.state(model).to_pure_dict()``: keys are the parameter path
+  components, e.g. ``params["blocks"]["b0"]["attn"]["wq"]["kernel"]`` of shape
+  ``[n_units, d, H*d_head]``); ``apply_fn(params, tokens_BxT) -> (logits, aux)``. Both are
+  jit-able; params work directly with optax, Orbax and ``jax.sharding`` trees.
+  """
+  cfg.validate()
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, _ = nnx.split(abstract)
+
+  def init_fn(rng: jax.Array) -> Params:
+    state = nnx.state(Transformer(cfg, rngs=nnx.Rngs(rng)))
+    return nnx.to_pure_dict(state) if hasattr(nnx, "to_pure_dict") else state.to_pure_dict()
+
+  def apply_fn(params: Params, tokens_BxT: jax.Array):
+    return nnx.merge(graphdef, params)(tokens_BxT)
+
+  return init_fn, apply_fn
+
+
+def lm_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
+            mask_BxT: jax.Array | None = None) -> jax.Array:
+  """Mean cross-entropy over supervised positions, float32:
+  ``sum_{b,t} m_{bt} (logsumexp(z_{bt}) - z_{bt, y_{bt}}) / max(sum m, 1)``."""
+  z = logits_BxTxV.astype(f32)
+  nll = jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, targets_BxT[..., None], -1)[..., 0]
+  if mask_BxT is None:
+    return jnp.mean(nll)
+  m = mask_BxT.astype(f32)
+  return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)

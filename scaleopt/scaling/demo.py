@@ -1,0 +1,22 @@
+"""`make run`'s scaling part: rerun the small preset sweep and print its alpha table."""
+
+from __future__ import annotations
+
+import pathlib
+
+from scaleopt.scaling import config, sweep
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SMALL = ROOT / "configs" / "sweeps" / "small.yaml"
+
+
+def run_default(out_dir: pathlib.Path) -> list[dict]:
+  """Run configs/sweeps/small.yaml (well under 3 minutes on 2 CPU cores) into out_dir/sweep/."""
+  out = pathlib.Path(out_dir) / "sweep"
+  cfg = config.load_config(SMALL)
+  print(f"\n== scaling-exponent sweep (preset '{cfg['name']}', {SMALL.relative_to(ROOT)}) ==")
+  res = sweep.run_sweep(cfg)
+  rows, _ = sweep.write_outputs(res, out)
+  print(sweep.alpha_table(rows))
+  print(f"sweep: {res.timing['total_s']:.1f} s; alpha.csv, losses.csv and plots in {out}/")
+  return rows

@@ -1,0 +1,96 @@
+"""Where the trainer meets ``scaleopt.models`` and ``scaleopt.optim`` (config -> objects)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from scaleopt import models
+from scaleopt.optim.build import OptimizerConfig, build, collect_step
+from scaleopt.optim.collect import CollectorSpec
+from scaleopt.optim.schedules import make_schedule
+
+PyTree = Any
+MODEL_KEYS = ("preset", "variant", "wd_policy")  # model-section keys that are not ModelConfig fields
+
+
+def model_config(section: dict) -> models.ModelConfig:
+  """ModelConfig from the ``model`` section: ``preset`` (default ``tiny``), optional
+  ``variant`` (a scale-vector variant name) and any ModelConfig field as an override."""
+  fields = {f.name for f in dataclasses.fields(models.ModelConfig)}
+  bad = [k for k in section if k not in fields and k not in MODEL_KEYS]
+  if bad:
+    raise ValueError(f"unknown key 'model.{bad[0]}'; allowed: {sorted(MODEL_KEYS)} and the "
+                     f"ModelConfig fields {sorted(fields)}")
+  cfg = models.get_preset(section.get("preset", "tiny"))
+  if section.get("variant") is not None:
+    cfg = cfg.with_variant(section["variant"])
+  over = {k: v for k, v in section.items() if k in fields}
+  if "dual_targets" in over and isinstance(over["dual_targets"], list):
+    over["dual_targets"] = tuple(over["dual_targets"])
+  return dataclasses.replace(cfg, **over) if over else cfg
+
+
+def optimizer_config(section: dict) -> OptimizerConfig:
+  """Validates the optimizer section (errors name the key and the allowed values)."""
+  return OptimizerConfig.from_dict(section)
+
+
+def build_optimizer(section: dict, wd_mask, sparse_filter):
+  """(tx, spec, schedule) for the optimizer section; ``schedule`` is for the lr metric."""
+  cfg = OptimizerConfig.from_dict(section)
+  tx, spec = build(cfg, wd_mask=wd_mask, sparse_filter=sparse_filter)
+  return tx, spec, make_schedule(cfg.schedule, cfg.learning_rate)
+
+
+def sparse_filter(params: PyTree) -> PyTree:
+  """True for embeddings and untied heads (trained without cross-fitting)."""
+  return jax.tree_util.tree_map_with_path(lambda p, _: models.is_embedding(p), params)
+
+
+def passes_per_step(spec: CollectorSpec) -> float:
+  """Forward+backward sweeps per step over the step's distinct examples (for MFU).
+
+  LOO sweeps twice; rolling-B adds a sweep over group B, every step for the collector and on
+  refresh steps only (1 in ``refresh_every``) for Sophia/Shampoo estimator passes. Estimator
+  passes of other layouts are not counted (so MFU is a lower bound there).
+  """
+  if spec.layout == "loo":
+    return 2.0
+  if spec.layout == "rolling_b":
+    return 1.0 + (1.0 / spec.refresh_every if spec.estimator else 1.0)
+  return 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  cfg: models.ModelConfig
+  init: Callable
+  apply: Callable
+  wd_policy: str
+
+  def loss_fn(self, params, tokens_BxT1):
+    """(params, tokens [B, T+1]) -> (loss, aux): next-token CE (+ MoE aux loss)."""
+    logits, aux = self.apply(params, tokens_BxT1[:, :-1])
+    ce = models.lm_loss(logits, tokens_BxT1[:, 1:])
+    out = {"ce": ce}
+    loss = ce
+    if self.cfg.is_moe and "moe_aux_loss" in aux:
+      loss = ce + aux["moe_aux_loss"]
+      out["moe_aux_loss"] = aux["moe_aux_loss"]
+    return loss, out
+
+  def logits_fn(self, params, tokens_BxT1):
+    """(params, mb) -> (logits, mask) for Sophia's sampled-label (GNB) pass."""
+    logits, _ = self.apply(params, tokens_BxT1[:, :-1])
+    return logits, jnp.ones(tokens_BxT1[:, 1:].shape, jnp.float32)
+
+
+def make_model(section: dict) -> Model:
+  cfg = model_config(section)
+  init, apply = models.functional(cfg)
+  return Model(cfg=cfg, init=init, apply=apply,
+               wd_policy=section.get("wd_policy", "matrices-only"))

@@ -1,0 +1,262 @@
+"""Training config: typed dataclasses, YAML loading, dotted overrides, validation.
+
+A config file has five sections (every key optional except ``optimizer.name``)::
+
+  run:        seed, steps, log/eval/checkpoint cadence, skip policy, outputs
+  data:       source (embedded | shards), path, seq_len, batch_size, microbatches
+  model:      preset + any ``scaleopt.models.ModelConfig`` field + wd_policy
+  optimizer:  passed to ``scaleopt.optim.build`` (name, learning_rate, schedule, ...)
+  mesh:       data / fsdp / tensor axis sizes, multi-host initialization
+
+``load_config(path, overrides)`` applies ``a.b=value`` overrides (values parsed as YAML) to
+the raw mapping, then validates every key and value; an error names the dotted key and what
+is allowed. Model and optimizer sections are checked by building their (pure Python) config
+objects, so every error comes before anything compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+import typing
+from typing import Any, Literal, Optional
+
+import yaml
+
+SCHEDULES = ("cosine", "wsd", "constant")
+OPTIMIZERS = ("adamw", "adamw_bc", "sophia", "sophia_bc", "shampoo", "shampoo_bc", "muon")
+WD_POLICIES = ("iwd", "all", "matrices-only")
+
+
+class ConfigError(ValueError):
+  """A config key or value is wrong; the message names the dotted key."""
+
+
+@dataclasses.dataclass
+class RunConfig:
+  seed: int = 0
+  steps: int = 200
+  log_every: int = 10
+  eval_every: int = 100  # 0: only at the end
+  eval_batches: int = 4  # batches of data.batch_size sequences per eval
+  checkpoint_every: int = 100  # 0: only at the end
+  keep_checkpoints: int = 3
+  async_checkpoint: bool = True
+  max_consecutive_skips: int = 5  # non-finite steps in a row before the run stops
+  progress: bool = True  # tqdm bar on the terminal
+  tensorboard: bool = True
+  plot: bool = True  # loss-curve PNG at the end
+  peak_flops: Optional[float] = None  # per device; None: looked up from the device kind
+
+
+@dataclasses.dataclass
+class DataConfig:
+  source: Literal["embedded", "shards"] = "embedded"
+  path: Optional[str] = None  # shard directory for source=shards
+  seq_len: int = 128
+  batch_size: int = 32  # sequences per step (per group for the A/B layout)
+  microbatches: int = 4  # microbatches per group; batch_size must be divisible by it
+
+
+@dataclasses.dataclass
+class MeshConfig:
+  data: int = -1  # -1: every device not used by fsdp x tensor
+  fsdp: int = 1
+  tensor: int = 1
+  distributed: Literal["auto", "on", "off"] = "auto"  # jax.distributed.initialize
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  run: RunConfig
+  data: DataConfig
+  model: dict  # preset + ModelConfig fields + wd_policy (validated by bridge.model_config)
+  optimizer: dict  # validated here (common keys) and by scaleopt.optim.build
+  mesh: MeshConfig
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+_SECTIONS = {"run": RunConfig, "data": DataConfig, "mesh": MeshConfig}
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+  origin = typing.get_origin(tp)
+  if origin is typing.Union:
+    return any(_type_ok(value, a) for a in typing.get_args(tp))
+  if origin is Literal:
+    return value in typing.get_args(tp)
+  if tp is type(None):
+    return value is None
+  if tp is bool:
+    return isinstance(value, bool)
+  if tp is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  if tp is float:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  return isinstance(value, tp)
+
+
+def _describe(tp: Any) -> str:
+  origin = typing.get_origin(tp)
+  if origin is Literal:
+    return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+  if origin is typing.Union:
+    return " or ".join(_describe(a) for a in typing.get_args(tp))
+  return "null" if tp is type(None) else tp.__name__
+
+
+def _section(name: str, cls: type, raw: Any):
+  if raw is None:
+    raw = {}
+  if not isinstance(raw, dict):
+    raise ConfigError(f"config section '{name}' must be a mapping, got {raw!r}")
+  hints = typing.get_type_hints(cls)
+  fields = {f.name for f in dataclasses.fields(cls)}
+  for k, v in raw.items():
+    if k not in fields:
+      raise ConfigError(f"unknown config key '{name}.{k}'; allowed keys in '{name}': "
+                        f"{sorted(fields)}")
+    if not _type_ok(v, hints[k]):
+      raise ConfigError(f"config key '{name}.{k}'={v!r} is not allowed; expected "
+                        f"{_describe(hints[k])}")
+  kw = {k: (float(v) if hints[k] is float and v is not None else v) for k, v in raw.items()}
+  return cls(**kw)
+
+
+def _check_optimizer(opt: Any, steps: int) -> dict:
+  """Validates the optimizer section with ``scaleopt.optim.build.OptimizerConfig`` (its errors
+  name the key); fills ``schedule.total_steps`` with ``run.steps`` when absent."""
+  if not isinstance(opt, dict) or "name" not in opt:
+    raise ConfigError("config section 'optimizer' needs 'name'; allowed names: "
+                      f"{OPTIMIZERS}")
+  if opt["name"] not in OPTIMIZERS:
+    raise ConfigError(f"config key 'optimizer.name'={opt['name']!r} is not allowed; choose "
+                      f"one of {OPTIMIZERS}")
+  opt = dict(opt)
+  sched = opt.get("schedule")
+  if sched is None:
+    sched = {}
+  if not isinstance(sched, dict):
+    raise ConfigError(f"config key 'optimizer.schedule' must be a mapping, got {sched!r}")
+  opt["schedule"] = {**sched, "total_steps": sched.get("total_steps", steps)}
+  from scaleopt.train.bridge import optimizer_config
+  try:
+    optimizer_config(opt)
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"config section 'optimizer': {e}") from None
+  return opt
+
+
+def _check_model(model: Any) -> dict:
+  if not isinstance(model, dict):
+    raise ConfigError(f"config section 'model' must be a mapping, got {model!r}")
+  if model.get("wd_policy", "matrices-only") not in WD_POLICIES:
+    raise ConfigError(f"config key 'model.wd_policy'={model['wd_policy']!r} is not allowed; "
+                      f"choose one of {WD_POLICIES}")
+  from scaleopt.train.bridge import model_config
+  try:
+    model_config(model)
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"config section 'model': {e}") from None
+  return dict(model)
+
+
+def _positive(key: str, value: int, allow_zero: bool = False):
+  if value < 0 or (value == 0 and not allow_zero):
+    raise ConfigError(f"config key '{key}'={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def from_dict(raw: dict) -> TrainConfig:
+  """Validates a raw mapping (as loaded from YAML) and returns a TrainConfig."""
+  if not isinstance(raw, dict):
+    raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
+  allowed = set(_SECTIONS) | {"model", "optimizer"}
+  for k in raw:
+    if k not in allowed:
+      raise ConfigError(f"unknown config section '{k}'; allowed: {sorted(allowed)}")
+  secs = {k: _section(k, cls, raw.get(k)) for k, cls in _SECTIONS.items()}
+  r, d, m = secs["run"], secs["data"], secs["mesh"]
+  for k in ("steps", "log_every", "keep_checkpoints", "max_consecutive_skips"):
+    _positive(f"run.{k}", getattr(r, k))
+  for k in ("eval_every", "checkpoint_every", "eval_batches"):
+    _positive(f"run.{k}", getattr(r, k), allow_zero=True)
+  for k in ("seq_len", "batch_size", "microbatches"):
+    _positive(f"data.{k}", getattr(d, k))
+  if d.batch_size % d.microbatches:
+    raise ConfigError(f"config key 'data.batch_size'={d.batch_size} must be divisible by "
+                      f"'data.microbatches'={d.microbatches}")
+  if d.source == "shards" and not d.path:
+    raise ConfigError("config key 'data.path' is required when data.source='shards' (a "
+                      "directory written by `scaleopt data prepare`)")
+  for k in ("fsdp", "tensor"):
+    _positive(f"mesh.{k}", getattr(m, k))
+  if m.data != -1:
+    _positive("mesh.data", m.data)
+  model = _check_model(raw.get("model") or {})
+  opt = _check_optimizer(raw.get("optimizer"), r.steps)
+  return TrainConfig(model=model, optimizer=opt, **secs)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+  if "=" not in item:
+    raise ConfigError(f"override {item!r} must look like section.key=value")
+  key, value = item.split("=", 1)
+  path = key.strip().split(".")
+  if len(path) < 2 or not all(path):
+    raise ConfigError(f"override key {key!r} must be dotted, e.g. optimizer.learning_rate")
+  try:
+    parsed = yaml.safe_load(value)
+  except yaml.YAMLError as e:
+    raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
+  return path, _numbers(parsed)
+
+
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
+
+
+def _numbers(x: Any) -> Any:
+  """YAML 1.1 reads ``1e-4`` as a string; read such strings as floats."""
+  if isinstance(x, str) and _FLOAT.match(x):
+    return float(x)
+  if isinstance(x, dict):
+    return {k: _numbers(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return [_numbers(v) for v in x]
+  return x
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+  """Sets ``a.b.c=value`` in a copy of ``raw`` (validation happens in ``from_dict``)."""
+  import copy
+  out = copy.deepcopy(raw)
+  for item in overrides or []:
+    path, value = _parse_override(item)
+    node = out
+    for p in path[:-1]:
+      nxt = node.get(p)
+      if nxt is None:
+        nxt = node[p] = {}
+      if not isinstance(nxt, dict):
+        raise ConfigError(f"override {item!r}: '{p}' is a value, not a section")
+      node = nxt
+    node[path[-1]] = value
+  return out
+
+
+def load_config(path: str | pathlib.Path, overrides: list[str] | None = None) -> TrainConfig:
+  """Reads a YAML config, applies dotted overrides and validates."""
+  p = pathlib.Path(path)
+  if not p.is_file():
+    raise ConfigError(f"config file {str(p)!r} does not exist")
+  try:
+    raw = yaml.safe_load(p.read_text()) or {}
+  except yaml.YAMLError as e:
+    raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+  return from_dict(apply_overrides(_numbers(raw), overrides or []))
+
+
+def dump_config(cfg: TrainConfig, path: str | pathlib.Path) -> None:
+  pathlib.Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,126 @@
+"""Device mesh (axes data, fsdp, tensor), sharding rules and multi-host start-up.
+
+Parameters follow the model's logical partition rules (``scaleopt.models.partition_rules``):
+logical ``fsdp`` -> mesh axis ``fsdp``, ``tensor`` -> ``tensor``, everything else replicated;
+a dimension that the mesh axis does not divide stays replicated. Optimizer-state leaves take
+the sharding of the parameter whose path ends their own path (optax states nest the parameter
+tree) when the shapes agree, else they are replicated. Batches ``[m, b, T+1]`` are split on
+the sequence axis b over ``data`` x ``fsdp`` (FSDP is data parallel for activations).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from scaleopt.train.config import ConfigError, MeshConfig
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+_LOGICAL = {"fsdp": "fsdp", "tensor": "tensor"}
+_MULTIHOST_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "SLURM_NTASKS",
+                  "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
+
+
+def maybe_initialize_distributed(mode: str) -> bool:
+  """Calls ``jax.distributed.initialize()`` (which reads the cluster's usual environment
+  variables: JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, SLURM, Open MPI, TPU
+  pod metadata) when ``mode='on'``, or ``'auto'`` and such variables are present."""
+  if mode == "off":
+    return False
+  if mode == "auto":
+    slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    other = any(os.environ.get(k) for k in _MULTIHOST_ENV if k != "SLURM_NTASKS")
+    tpu_hosts = len(os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1
+    if not (slurm or tpu_hosts or (other and "TPU_WORKER_HOSTNAMES" not in os.environ)):
+      return False
+  try:
+    jax.distributed.initialize()
+  except RuntimeError as e:  # already initialized
+    if "already" not in str(e):
+      raise
+  return True
+
+
+def make_mesh(cfg: MeshConfig, devices: Optional[list] = None) -> Mesh:
+  devs = list(jax.devices() if devices is None else devices)
+  n = len(devs)
+  rest = cfg.fsdp * cfg.tensor
+  data = cfg.data if cfg.data != -1 else n // rest
+  if data * rest != n or data < 1:
+    raise ConfigError(f"mesh data x fsdp x tensor = {cfg.data} x {cfg.fsdp} x {cfg.tensor} "
+                      f"does not match the {n} available devices (set mesh.data=-1 to use "
+                      "every device not taken by fsdp x tensor)")
+  shape = (data, cfg.fsdp, cfg.tensor)
+  try:
+    from jax.experimental import mesh_utils
+    arr = mesh_utils.create_device_mesh(shape, devices=devs)
+  except Exception:  # CPU / unusual topologies: plain row-major order
+    arr = np.asarray(devs).reshape(shape)
+  return Mesh(arr, AXES)
+
+
+def batch_shards(mesh: Mesh) -> int:
+  return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+
+
+def check_batch(mesh: Mesh, batch_size: int, microbatches: int) -> None:
+  """A microbatch must split evenly over the data x fsdp devices and over processes."""
+  mb = batch_size // microbatches
+  n = batch_shards(mesh)
+  if mb % n:
+    raise ConfigError(
+        f"data.batch_size / data.microbatches = {batch_size} / {microbatches} = {mb} sequences "
+        f"per microbatch do not divide across the {n} batch shards (mesh data x fsdp = "
+        f"{mesh.shape['data']} x {mesh.shape['fsdp']}); choose a microbatch size that is a "
+        f"multiple of {n}")
+  if mb % jax.process_count():
+    raise ConfigError(f"microbatch size {mb} does not divide across {jax.process_count()} "
+                      "processes")
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Sharding of a ``[m, b, T+1]`` token batch."""
+  return NamedSharding(mesh, P(None, BATCH_AXES, None))
+
+
+def eval_sharding(mesh: Mesh) -> NamedSharding:
+  """Sharding of a ``[B, T+1]`` eval batch."""
+  return NamedSharding(mesh, P(BATCH_AXES, None))
+
+
+def _spec(mesh: Mesh, logical: tuple, shape: tuple) -> P:
+  out = []
+  for name, dim in zip(logical, shape):
+    axis = _LOGICAL.get(name) if name else None
+    out.append(axis if axis and mesh.shape[axis] > 1 and dim % mesh.shape[axis] == 0 else None)
+  return P(*out)
+
+
+def param_shardings(mesh: Mesh, params_shape: Any, rules: Callable) -> Any:
+  """NamedSharding per parameter from ``rules(path, shape) -> logical axes``."""
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: NamedSharding(mesh, _spec(mesh, rules(p, x.shape), x.shape)), params_shape)
+
+
+def state_shardings(mesh: Mesh, tree_shape: Any, params_shape: Any, param_sh: Any) -> Any:
+  """Shardings for any tree (optimizer state) whose leaves mirror parameters by path suffix."""
+  flat = jax.tree_util.tree_flatten_with_path(params_shape)[0]
+  table = {tuple(str(k) for k in path): (x.shape, sh)
+           for (path, x), sh in zip(flat, jax.tree.leaves(param_sh))}
+  depth = max((len(k) for k in table), default=0)
+  replicated = NamedSharding(mesh, P())
+
+  def pick(path, x):
+    keys = tuple(str(k) for k in path)
+    for n in range(min(depth, len(keys)), 0, -1):
+      hit = table.get(keys[-n:])
+      if hit is not None and tuple(hit[0]) == tuple(getattr(x, "shape", ())):
+        return hit[1]
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, tree_shape)

@@ -1,0 +1,87 @@
+"""The jitted train and eval steps.
+
+One train step, all inside ``jax.jit`` with the state donated:
+
+  microbatches [m, b, T+1] --lax.scan--> collector stats (or plain accumulation)
+    [+ Sophia's estimator pass, dispatched by ``collect_step`` on the optimizer's spec]
+  -> tx.update(stats.numerator, opt_state, params, bc_stats=stats)   (clip -> opt -> wd -> lr)
+  -> apply unless the loss, gradient or update is non-finite (then params and optimizer state
+     stay as they were and the skip is counted)
+  -> metrics (device scalars; the loop fetches them every ``log_every`` steps).
+
+Parameters and optimizer state are float32; the model computes in ``model.dtype`` (bf16).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from scaleopt.optim.build import collect_step
+from scaleopt.train import bridge
+
+PyTree = Any
+
+
+class TrainState(NamedTuple):
+  step: jax.Array  # int32: completed steps
+  params: PyTree  # float32
+  opt_state: PyTree
+  rng: jax.Array  # uint32[2] raw PRNG key
+  skipped: jax.Array  # int32: non-finite steps skipped so far
+  consec: jax.Array  # int32: consecutive skipped steps up to now
+
+
+def init_state(model: bridge.Model, tx: optax.GradientTransformation, seed: int) -> TrainState:
+  rng = jax.random.PRNGKey(seed)
+  rng, init_rng = jax.random.split(rng)
+  params = model.init(init_rng)
+  zero = jnp.zeros((), jnp.int32)
+  return TrainState(step=zero, params=params, opt_state=tx.init(params), rng=rng,
+                    skipped=zero, consec=zero)
+
+
+def _select(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
+                    schedule: Callable) -> Callable:
+  """``step(state, batch) -> (state, metrics)``; batch = {"tokens"[, "b_tokens"]}."""
+
+  def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    rng, key = jax.random.split(state.rng)
+    stats = collect_step(model.loss_fn, state.params, batch["tokens"], spec,
+                         opt_state=state.opt_state, key=key, logits_fn=model.logits_fn,
+                         b_microbatches=batch.get("b_tokens"))
+    updates, opt_state = tx.update(stats.numerator, state.opt_state, state.params,
+                                   bc_stats=stats)
+    params = optax.apply_updates(state.params, updates)
+    g_norm = optax.global_norm(stats.full)
+    u_norm = optax.global_norm(updates)
+    ok = jnp.isfinite(stats.loss) & jnp.isfinite(g_norm) & jnp.isfinite(u_norm)
+    bad = (~ok).astype(jnp.int32)
+    new = TrainState(step=state.step + 1, params=_select(ok, params, state.params),
+                     opt_state=_select(ok, opt_state, state.opt_state), rng=rng,
+                     skipped=state.skipped + bad, consec=jnp.where(ok, 0, state.consec + 1))
+    metrics = dict(loss=stats.loss, ce=stats.aux["ce"], grad_norm=g_norm, update_norm=u_norm,
+                   param_norm=optax.global_norm(new.params), lr=schedule(state.step),
+                   skipped=new.skipped, consec=new.consec)
+    for k, v in stats.aux.items():
+      if k != "ce":
+        metrics[k] = v
+    return new, metrics
+
+  return step
+
+
+def make_eval_step(model: bridge.Model) -> Callable:
+  """``eval_step(params, tokens [B, T+1]) -> mean next-token cross-entropy``."""
+
+  def eval_step(params: PyTree, tokens: jax.Array) -> jax.Array:
+    return model.loss_fn(params, tokens)[1]["ce"]
+
+  return eval_step

@@ -1,0 +1,56 @@
+"""End to end: `sweep_main` writes its files; the notebook runs on the small preset."""
+
+import csv
+import os
+import pathlib
+
+import pytest
+
+from scaleopt.scaling import sweep
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_sweep_main_writes_alpha_losses_and_plots(tmp_path, capsys):
+  rc = sweep.sweep_main(str(ROOT / "configs/sweeps/small.yaml"), str(tmp_path),
+                        overrides=["problem.s=[1.0, 2.0]", "problem.seeds=2",
+                                   "problem.n_features=[16, 32, 64]", "fit.bootstrap=20",
+                                   "compute.progress=false"])
+  assert rc == 0
+  rows = list(csv.DictReader((tmp_path / "alpha.csv").open()))
+  assert list(rows[0])[:5] == ["s", "optimizer", "alpha", "ci_low", "ci_high"]
+  assert len(rows) == 2 * 5
+  losses = list(csv.DictReader((tmp_path / "losses.csv").open()))
+  assert len(losses) == 2 * 5 * 3
+  for f in ("loss_vs_n.png", "alpha_vs_s.png", "raw.npz"):
+    assert (tmp_path / f).stat().st_size > 1000
+  assert "| s |" in capsys.readouterr().out
+  re = sweep.load_raw(tmp_path / "raw.npz")
+  again, _ = sweep.summarize(re)
+  assert [round(float(r["alpha"]), 4) for r in rows] == [round(r["alpha"], 4) for r in again]
+
+
+def test_sweep_main_reports_config_errors(tmp_path, capsys):
+  rc = sweep.sweep_main(str(ROOT / "configs/sweeps/small.yaml"), str(tmp_path),
+                        overrides=["problem.spectrum=flat"])
+  assert rc == 2
+  assert "problem.spectrum" in capsys.readouterr().out
+
+
+def test_notebook_executes_on_small_preset():
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
+  nb = nbformat.read(ROOT / "notebooks/scaling_exponents.ipynb", as_version=4)
+  os.environ["SCALEOPT_NB_QUICK"] = "1"
+  try:
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(ROOT)}})
+    client.execute()
+  finally:
+    os.environ.pop("SCALEOPT_NB_QUICK", None)
+  text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                   for o in c.get("outputs", []))
+  assert "s_hat" in text and "max relative difference" in text
+  errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+            if o.get("output_type") == "error"]
+  assert not errors
