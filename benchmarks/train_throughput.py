@@ -40,11 +40,11 @@ def _models_throughput():
 
 
 def system_run(preset: str, optimizer: dict, batch: int, seq: int, micro: int, steps: int,
-               dtype: str, out: pathlib.Path) -> dict:
+               dtype: str, out: pathlib.Path, unroll: int = 1) -> dict:
   raw = {
       "run": {"steps": steps, "log_every": 10, "eval_every": 0, "eval_batches": 1,
               "checkpoint_every": 0, "progress": False, "plot": False},
-      "model": {"preset": preset, "dtype": dtype, "max_seq_len": seq},
+      "model": {"preset": preset, "dtype": dtype, "max_seq_len": seq, "scan_unroll": unroll},
       "data": {"source": "embedded", "seq_len": seq, "batch_size": batch, "microbatches": micro},
       "optimizer": {"schedule": {"kind": "cosine", "warmup_steps": 2}, **optimizer},
   }
@@ -60,11 +60,14 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=40)
   ap.add_argument("--micro", default="1,2,4",
                   help="microbatch counts to time (adamw at each, adamw_bc LOO at each >= 2)")
+  ap.add_argument("--unroll", type=int, default=1,
+                  help="model scan_unroll (layers unrolled per scan iteration; see docs/models.md)")
   args = ap.parse_args(argv)
   dtype = "bfloat16"
   if args.quick:
     args.preset, args.batch, args.seq, args.steps, dtype = "tiny", 8, 64, 12, "float32"
-  cfg = models.get_preset(args.preset).replace(max_seq_len=args.seq, dtype=dtype)
+  cfg = models.get_preset(args.preset).replace(max_seq_len=args.seq, dtype=dtype,
+                                               scan_unroll=args.unroll)
   dev = jax.devices()[0]
   peak = loop.peak_flops(dev, None)
   fpt = models.flops_per_token(cfg, args.seq)
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory() as tmp:
     for i, (name, opt, micro) in enumerate(runs):
       s = system_run(args.preset, opt, args.batch, args.seq, micro, args.steps, dtype,
-                     pathlib.Path(tmp) / str(i))
+                     pathlib.Path(tmp) / str(i), unroll=args.unroll)
       passes = 2 if s["layout"] == "loo" else 1
       label = opt["name"] + (" (LOO)" if passes == 2 else "")
       rows.append((name, label, micro, s["tokens_per_s"], s["tokens_per_s"] * passes))
