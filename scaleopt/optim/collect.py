@@ -345,6 +345,35 @@ def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree,
   return BCStats(numerator=numerator, full=full, a=a, b=b, loo=None, loss=loss, aux=aux)
 
 
+def refresh_groups(loss_fn: LossFn, params: PyTree, microbatches: PyTree, layout: str,
+                   refresh: jax.Array, b_microbatches: PyTree = None) -> tuple[BCStats, PyTree]:
+  """Numerator statistics and preconditioner group for optimizers with periodic refreshes.
+
+  Sophia and Shampoo recompute their preconditioner every k steps from group B. ``ab``: on
+  refresh steps the numerator uses group A only (cross-fit), on the other steps all
+  microbatches (``lax.cond``, so nothing is wasted); ``rolling_b``: A is ``microbatches`` and
+  B is ``b_microbatches``; ``all``: both use every microbatch.
+
+  Returns:
+    (numerator BCStats from a plain ``all`` collection, group-B microbatches).
+  """
+  m = _num_microbatches(microbatches)
+  all_spec = CollectorSpec(layout="all")
+  if layout == "ab":
+    if m % 2:
+      raise ValueError(f"layout 'ab' splits the microbatches in halves; m={m} is odd")
+    mbs_a, mbs_b = _slice(microbatches, 0, m // 2), _slice(microbatches, m // 2, m)
+    num = jax.lax.cond(refresh, lambda: collect(loss_fn, params, mbs_a, all_spec),
+                       lambda: collect(loss_fn, params, microbatches, all_spec))
+    return num, mbs_b
+  num = collect(loss_fn, params, microbatches, all_spec)
+  if layout == "rolling_b":
+    if b_microbatches is None:
+      raise ValueError("layout 'rolling_b' needs b_microbatches (next step's group A)")
+    return num, b_microbatches
+  return num, microbatches
+
+
 def naive_collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, layout: str,
                   b_microbatches: PyTree = None):
   """Reference: stacks every per-microbatch gradient (memory O(m)); for tests only.

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaleopt.optim.collect import BCStats, CollectorSpec, collect, value_and_grad_fn
+from scaleopt.optim.collect import BCStats, CollectorSpec, refresh_groups, value_and_grad_fn
 
 PyTree = Any
 MaskedNode = optax.MaskedNode
@@ -280,24 +280,7 @@ def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collect
   opts = dict(spec.estimator_options)
   st = find_shampoo_state(opt_state)
   root = (st.count % spec.refresh_every) == 0
-  lay = spec.layout
-  m = jax.tree.leaves(microbatches)[0].shape[0]
-  all_spec = CollectorSpec(layout="all")
-  if lay == "ab":
-    if m % 2:
-      raise ValueError(f"layout 'ab' splits the microbatches in halves; m={m} is odd")
-    half = lambda t, a, b: jax.tree.map(lambda x: x[a:b], t)
-    mbs_a, mbs_b = half(microbatches, 0, m // 2), half(microbatches, m // 2, m)
-    num = jax.lax.cond(root, lambda: collect(loss_fn, params, mbs_a, all_spec),
-                       lambda: collect(loss_fn, params, microbatches, all_spec))
-  else:
-    num = collect(loss_fn, params, microbatches, all_spec)
-    if lay == "rolling_b":
-      if b_microbatches is None:
-        raise ValueError("layout 'rolling_b' needs b_microbatches (next step's group A)")
-      mbs_b = b_microbatches
-    else:
-      mbs_b = microbatches
+  num, mbs_b = refresh_groups(loss_fn, params, microbatches, spec.layout, root, b_microbatches)
   two_pass = opts["two_pass"]
   m_b = jax.tree.leaves(mbs_b)[0].shape[0]
   if two_pass and m_b < 2:

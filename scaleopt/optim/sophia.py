@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import optax
 
 from scaleopt.optim import gnb
-from scaleopt.optim.collect import BCStats, CollectorSpec, GroupStats, collect
+from scaleopt.optim.collect import BCStats, CollectorSpec, refresh_groups
 
 PyTree = Any
 MaskedNode = optax.MaskedNode
@@ -210,24 +210,8 @@ def sophia_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collecto
     raise ValueError("sophia_collect needs a PRNG key (label sampling / Rademacher vectors)")
   st = find_sophia_state(opt_state)
   refresh = (st.count % spec.refresh_every) == 0
-  lay = spec.layout
-  m = jax.tree.leaves(microbatches)[0].shape[0]
-  all_spec = CollectorSpec(layout="all")
-  if lay == "ab":
-    if m % 2:
-      raise ValueError(f"layout 'ab' splits the microbatches in halves; m={m} is odd")
-    half = lambda t, a, b: jax.tree.map(lambda x: x[a:b], t)
-    mbs_a, mbs_c = half(microbatches, 0, m // 2), half(microbatches, m // 2, m)
-    num = jax.lax.cond(refresh, lambda: collect(loss_fn, params, mbs_a, all_spec),
-                       lambda: collect(loss_fn, params, microbatches, all_spec))
-  else:
-    num = collect(loss_fn, params, microbatches, all_spec)
-    if lay == "rolling_b":
-      if b_microbatches is None:
-        raise ValueError("layout 'rolling_b' needs b_microbatches (next step's group A)")
-      mbs_c = b_microbatches
-    else:
-      mbs_c = microbatches
+  num, mbs_c = refresh_groups(loss_fn, params, microbatches, spec.layout, refresh,
+                              b_microbatches)
   need_var = opts["need_var"]
   m_c = jax.tree.leaves(mbs_c)[0].shape[0]
   if need_var and m_c < 2:
