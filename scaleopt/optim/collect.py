@@ -372,18 +372,3 @@ def refresh_groups(loss_fn: LossFn, params: PyTree, microbatches: PyTree, layout
       raise ValueError("layout 'rolling_b' needs b_microbatches (next step's group A)")
     return num, b_microbatches
   return num, microbatches
-
-
-def naive_collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, layout: str,
-                  b_microbatches: PyTree = None):
-  """Reference: stacks every per-microbatch gradient (memory O(m)); for tests only.
-
-  Returns dict(per_mb=[g_j stacked], a=indices, b=indices) so tests can form any statistic.
-  """
-  grad_fn = value_and_grad_fn(loss_fn)
-  g_stack = jax.vmap(lambda mb: _f32(grad_fn(params, mb)[2]))(microbatches)
-  if b_microbatches is not None:
-    gb_stack = jax.vmap(lambda mb: _f32(grad_fn(params, mb)[2]))(b_microbatches)
-  else:
-    gb_stack = None
-  return g_stack, gb_stack
