@@ -2,7 +2,7 @@
 
   scaleopt train --config configs/train/<name>.yaml --out RUN_DIR [--set a.b=v ...] [--resume]
   scaleopt sweep --config configs/sweeps/<name>.yaml --out DIR [--set a.b=v ...]
-  scaleopt data prepare --input TEXT_FILE_OR_DIR --out DIR [--tokenizer bytes|bpe:VOCAB]
+  scaleopt data prepare --input TEXT_FILE_OR_DIR --out DIR [--tokenizer bytes|bpe:VOCAB|tokenizer.json]
   scaleopt bias-study [--out docs/results.md]
   scaleopt run-default --out results        (what `make run` runs)
 
@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
   dp = dsub.add_parser("prepare", help="tokenize text into memory-mapped token shards")
   dp.add_argument("--input", required=True)
   dp.add_argument("--out", required=True)
-  dp.add_argument("--tokenizer", default="bytes", help="bytes | bpe:VOCAB_SIZE")
+  dp.add_argument("--tokenizer", default="bytes",
+                  help="bytes | bpe:VOCAB_SIZE (train a byte-level BPE on the training split) | "
+                  "PATH/tokenizer.json[#SEPARATOR_TOKEN] (e.g. Qwen2.5's)")
   dp.set_defaults(fn=_data_prepare)
 
   b = sub.add_parser("bias-study", help="measure the bias of std/cf/inv/full updates")

@@ -1,4 +1,4 @@
-"""Token data: the embedded corpus, token shards, tokenizers and the batch iterator.
+"""Token data: the embedded corpus, token shards, ``scaleopt data prepare`` and the iterator.
 
 Embedded corpus (no network): the ``.py`` files of the running interpreter's standard library
 (``sysconfig.get_paths()["stdlib"]``, without ``site-packages``, ``test``/``tests``,
@@ -11,9 +11,13 @@ Shard format (written by ``scaleopt data prepare``, easy to write from other too
 
   DIR/train_000.bin   raw little-endian tokens, uint16 (vocab <= 65536) or uint32
   DIR/train_000.json  {"format": "scaleopt-tokens", "version": 1, "dtype": "uint16",
-                       "num_tokens": N, "vocab_size": V, "tokenizer": "bytes"}
+                       "num_tokens": N, "vocab_size": V, "tokenizer": "bytes",
+                       "separator": 0}
   DIR/val_000.bin, DIR/val_000.json   the validation split, same format
-  DIR/tokenizer.json  (BPE only) the merges, for decoding
+  DIR/tokenizer.json  (BPE tokenizers) the Hugging Face tokenizer, for decoding
+
+``vocab_size`` is the tokenizer's (max id + 1); a model must have at least that many rows.
+Tokenizers live in :mod:`scaleopt.train.tokenizers`.
 
 A ``.bin`` must hold exactly ``num_tokens * itemsize`` bytes; anything else is an error that
 names the file. nanoGPT-style ``train.bin``/``val.bin`` work once a ``.json`` is put next to
@@ -30,14 +34,16 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import pathlib
-import re
 import sys
 import sysconfig
 import zlib
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
+
+from scaleopt.train import tokenizers
 
 SEP = 0  # document separator token for the byte tokenizer
 _EXCLUDE = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
@@ -104,93 +110,18 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizers: bytes and a small locally trained byte-level BPE.
-
-_PRETOK = re.compile(rb"\s?[A-Za-z_]+|\s?[0-9]+|\s+(?!\S)|\s+|[^\sA-Za-z_0-9]+")
-
-
-def train_bpe(data: bytes, vocab_size: int) -> list[tuple[int, int]]:
-  """Byte-level BPE merges learned on ``data`` (ids 256.. are merges, in order).
-
-  Words (regex pre-tokens) are counted once; pair counts are kept per word type and updated
-  only for the words a merge touches, so training is fast enough for a few MB in Python.
-  """
-  if vocab_size <= 256 or vocab_size > 65536:
-    raise ValueError(f"bpe vocab size must be in (256, 65536], got {vocab_size}")
-  words = collections.Counter(_PRETOK.findall(data))
-  seqs = [list(w) for w in words]
-  freq = [words[w] for w in words]
-  pairs: collections.Counter = collections.Counter()
-  where: dict[tuple[int, int], set] = collections.defaultdict(set)
-  for i, s in enumerate(seqs):
-    for a, b in zip(s, s[1:]):
-      pairs[(a, b)] += freq[i]
-      where[(a, b)].add(i)
-  merges = []
-  for new in range(256, vocab_size):
-    if not pairs:
-      break
-    best = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))[0]
-    if pairs[best] <= 0:
-      break
-    merges.append(best)
-    for i in list(where.pop(best, ())):
-      s = seqs[i]
-      for a, b in zip(s, s[1:]):
-        pairs[(a, b)] -= freq[i]
-        if pairs[(a, b)] <= 0:
-          del pairs[(a, b)]
-      j, out = 0, []
-      while j < len(s):
-        if j + 1 < len(s) and (s[j], s[j + 1]) == best:
-          out.append(new); j += 2
-        else:
-          out.append(s[j]); j += 1
-      seqs[i] = out
-      for a, b in zip(out, out[1:]):
-        pairs[(a, b)] += freq[i]
-        where[(a, b)].add(i)
-  return merges
-
-
-def bpe_encode(data: bytes, merges: list[tuple[int, int]]) -> np.ndarray:
-  """Encodes bytes with learned merges (word by word, cached per word type)."""
-  rank = {p: 256 + r for r, p in enumerate(merges)}
-  cache: dict[bytes, list[int]] = {}
-  out: list[int] = []
-  for w in _PRETOK.findall(data):
-    ids = cache.get(w)
-    if ids is None:
-      ids = list(w)
-      while len(ids) > 1:
-        cand = [(rank.get((a, b), 1 << 30), k) for k, (a, b) in enumerate(zip(ids, ids[1:]))]
-        r, k = min(cand)
-        if r == 1 << 30:
-          break
-        ids = ids[:k] + [r] + ids[k + 2:]
-      cache[w] = ids
-    out.extend(ids)
-  return np.asarray(out, np.uint32)
-
-
-def bpe_decode(ids, merges: list[tuple[int, int]]) -> bytes:
-  table = {i: bytes([i]) for i in range(256)}
-  for r, (a, b) in enumerate(merges):
-    table[256 + r] = table[a] + table[b]
-  return b"".join(table[int(i)] for i in ids)
-
-
-# ---------------------------------------------------------------------------------------------
 # Shards.
 
 
-def write_shard(path: pathlib.Path, tokens: np.ndarray, vocab_size: int, tokenizer: str):
+def write_shard(path: pathlib.Path, tokens: np.ndarray, vocab_size: int, tokenizer: str,
+                **extra) -> None:
+  """``PATH.bin`` (uint16 when vocab_size <= 65536, else uint32) and its ``PATH.json``."""
   dtype = np.uint16 if vocab_size <= 65536 else np.uint32
   arr = np.asarray(tokens).astype(dtype)
   path = pathlib.Path(path)
   path.with_suffix(".bin").write_bytes(arr.astype(arr.dtype.newbyteorder("<")).tobytes())
   header = dict(format=FORMAT, version=1, dtype=np.dtype(dtype).name, num_tokens=int(arr.size),
-                vocab_size=int(vocab_size), tokenizer=tokenizer)
+                vocab_size=int(vocab_size), tokenizer=tokenizer, **extra)
   path.with_suffix(".json").write_text(json.dumps(header))
 
 
@@ -240,53 +171,135 @@ def load_shards(directory: str | pathlib.Path, split: str) -> tuple[list[np.ndar
   return arrays, vocab
 
 
-def _input_files(inp: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
+SKIP_DIRS = (".git",)  # never descended into
+SKIP_SUFFIXES = (".pyc",)
+
+
+def is_binary(data: bytes) -> bool:
+  """A file that is not text: it holds a NUL byte (git's rule) or is not valid UTF-8."""
+  if b"\0" in data:
+    return True
+  try:
+    data.decode("utf-8")
+  except UnicodeDecodeError:
+    return True
+  return False
+
+
+def input_files(inp: pathlib.Path) -> tuple[list[tuple[str, pathlib.Path]],
+                                            collections.Counter]:
+  """(relative path, path) of the input files, sorted, and counts of what was skipped
+  (``.git/`` directories, ``.pyc`` files; binary files are counted when read)."""
+  skipped: collections.Counter = collections.Counter()
   if inp.is_file():
-    return [(inp.name, inp)]
-  if inp.is_dir():
-    return sorted((p.relative_to(inp).as_posix(), p) for p in inp.rglob("*") if p.is_file())
-  raise DataError(f"input {str(inp)!r} is neither a file nor a directory")
+    return [(inp.name, inp)], skipped
+  if not inp.is_dir():
+    raise DataError(f"input {str(inp)!r} is neither a file nor a directory")
+  out = []
+  for root, dirs, names in os.walk(inp):
+    for d in [d for d in dirs if d in SKIP_DIRS]:
+      dirs.remove(d)
+      skipped[f"{d}/ directories"] += 1
+    for n in names:
+      p = pathlib.Path(root) / n
+      if p.suffix in SKIP_SUFFIXES:
+        skipped[f"{p.suffix} files"] += 1
+      elif p.is_file():
+        out.append((p.relative_to(inp).as_posix(), p))
+  return sorted(out), skipped
+
+
+def _documents(files: list, skipped: Optional[collections.Counter] = None) -> Iterator[bytes]:
+  """The text of each file, binary files left out (and counted in ``skipped``)."""
+  for _, p in files:
+    text = p.read_bytes()
+    if is_binary(text):
+      if skipped is not None:
+        skipped["binary files"] += 1
+      continue
+    yield text
+
+
+def _split_documents(files: list, skipped: collections.Counter) -> tuple[Callable, list[bytes]]:
+  """(train documents factory, validation documents). One file: its last ~5% of lines are
+  validation; a directory: the crc32 file rule of ``is_val``."""
+  if len(files) == 1:
+    text = files[0][1].read_bytes()
+    if is_binary(text):
+      raise DataError(f"input {str(files[0][1])!r} is a binary file (a NUL byte or not UTF-8)")
+    lines = text.splitlines(keepends=True)
+    cut = max(1, int(len(lines) * 0.95))
+    train, val = b"".join(lines[:cut]), b"".join(lines[cut:])
+    return (lambda skipped=None: iter([train])), [val] if val else []
+  sp = split_files(files)
+  return (lambda skipped=None: _documents(sp["train"], skipped)), list(
+      _documents(sp["val"], skipped))
+
+
+class _ShardWriter:
+  """Cuts a stream of token arrays into ``SPLIT_000.bin``, ``SPLIT_001.bin``, ..."""
+
+  def __init__(self, out: pathlib.Path, split: str, tok, shard_tokens: int):
+    for old in list(out.glob(f"{split}_*.bin")) + list(out.glob(f"{split}_*.json")):
+      old.unlink()
+    self.out, self.split, self.tok, self.size = out, split, tok, shard_tokens
+    self.buf: list[np.ndarray] = []
+    self.n = self.total = self.shards = 0
+
+  def add(self, arr: np.ndarray) -> None:
+    self.buf.append(arr)
+    self.n += arr.size
+    self.total += arr.size
+    while self.n >= self.size:
+      cat = np.concatenate(self.buf)
+      self._write(cat[:self.size])
+      self.buf, self.n = [cat[self.size:]], cat.size - self.size
+
+  def _write(self, toks: np.ndarray) -> None:
+    write_shard(self.out / f"{self.split}_{self.shards:03d}", toks, self.tok.vocab_size,
+                self.tok.name, separator=self.tok.sep)
+    self.shards += 1
+
+  def close(self) -> int:
+    if self.n or not self.shards:
+      self._write(np.concatenate(self.buf) if self.buf else np.zeros((0,), np.uint32))
+    return self.total
 
 
 def prepare(inp: str | pathlib.Path, out: str | pathlib.Path, tokenizer: str = "bytes",
             shard_tokens: int = 1 << 28) -> dict:
-  """Tokenizes a text file or directory into shards; returns a summary dict."""
+  """Tokenizes a text file or directory into shards; returns a summary dict.
+
+  Skips ``.git/``, ``.pyc`` and binary files (counted in ``summary["skipped"]``); refuses an
+  empty validation or training split. ``tokenizer`` is a spec of
+  :func:`scaleopt.train.tokenizers.from_spec` (``bytes``, ``bpe:VOCAB``, a tokenizer.json).
+  """
   inp, out = pathlib.Path(inp), pathlib.Path(out)
-  if tokenizer == "bytes":
-    vocab, merges = 256, None
-  elif tokenizer.startswith("bpe:"):
-    try:
-      vocab = int(tokenizer[4:])
-    except ValueError:
-      raise DataError(f"--tokenizer {tokenizer!r}: expected bytes or bpe:VOCAB_SIZE") from None
-    merges = []
-  else:
-    raise DataError(f"--tokenizer {tokenizer!r} is not allowed; choose bytes or bpe:VOCAB_SIZE")
-  files = _input_files(inp)
+  files, skipped = input_files(inp)
   if not files:
-    raise DataError(f"input {str(inp)!r} holds no files")
-  if len(files) == 1:  # one file: the last ~5% of its lines are the validation split
-    lines = files[0][1].read_bytes().splitlines(keepends=True)
-    cut = max(1, int(len(lines) * 0.95)) if len(lines) > 1 else len(lines)
-    texts = {"train": b"".join(lines[:cut]), "val": b"".join(lines[cut:])}
-  else:
-    sp = split_files(files)
-    texts = {k: b"".join(p.read_bytes() + bytes([SEP]) for _, p in fs) for k, fs in sp.items()}
+    raise DataError(f"input {str(inp)!r} holds no usable files (skipped: {dict(skipped)})")
+  train_docs, val_docs = _split_documents(files, skipped)
+  if not any(val_docs):
+    raise DataError(
+        f"input {str(inp)!r}: the validation split would be empty (a directory's files go to "
+        "validation when crc32(relative path) % 20 == 0, a single file gives its last 5% of "
+        f"lines; {len(files)} files here); add files or lines")
+  try:
+    tok = tokenizers.from_spec(tokenizer, train_texts=train_docs)
+  except tokenizers.TokenizerError as e:
+    raise DataError(str(e)) from None
   out.mkdir(parents=True, exist_ok=True)
-  if merges is not None:
-    merges = train_bpe(texts["train"], vocab)
-    vocab = 256 + len(merges)
-    (out / "tokenizer.json").write_text(json.dumps({"kind": "bpe", "merges": merges}))
-  summary = {"vocab_size": vocab, "tokenizer": tokenizer}
-  for split, text in texts.items():
-    toks = (np.frombuffer(text, np.uint8) if merges is None else bpe_encode(text, merges))
-    for old in out.glob(f"{split}_*.bin"):
-      old.unlink()
-    n_shards = max(1, -(-toks.size // shard_tokens))
-    for s in range(n_shards):
-      write_shard(out / f"{split}_{s:03d}", toks[s * shard_tokens:(s + 1) * shard_tokens],
-                  vocab, tokenizer)
-    summary[f"{split}_tokens"] = int(toks.size)
+  (out / "tokenizer.json").unlink(missing_ok=True)
+  tok.save(out)
+  summary = {"vocab_size": tok.vocab_size, "tokenizer": tok.name, "files": len(files)}
+  for split, docs in (("val", val_docs), ("train", train_docs(skipped))):
+    w = _ShardWriter(out, split, tok, shard_tokens)
+    for arr in tok.encode_docs(docs):
+      w.add(arr)
+    summary[f"{split}_tokens"] = w.close()
+  if summary["train_tokens"] == 0:
+    raise DataError(f"input {str(inp)!r}: the training split is empty")
+  summary["skipped"] = dict(skipped)
   return summary
 
 
@@ -297,10 +310,11 @@ def prepare_main(input: str, out: str, tokenizer: str = "bytes") -> int:
   except DataError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(f"wrote {out}: {s['train_tokens']} train / {s['val_tokens']} val tokens, "
-        f"vocab {s['vocab_size']} ({s['tokenizer']})")
+  skipped = ", ".join(f"{n} {what}" for what, n in sorted(s["skipped"].items()))
+  print(f"wrote {out}: {s['train_tokens']} train / {s['val_tokens']} val tokens from "
+        f"{s['files']} files, vocab {s['vocab_size']} ({s['tokenizer']})"
+        + (f"; skipped {skipped}" if skipped else ""))
   return 0
-
 
 # ---------------------------------------------------------------------------------------------
 # The iterator.
