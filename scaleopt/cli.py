@@ -3,6 +3,8 @@
   scaleopt train --config configs/train/<name>.yaml --out RUN_DIR [--set a.b=v ...] [--resume]
   scaleopt sweep --config configs/sweeps/<name>.yaml --out DIR [--set a.b=v ...]
   scaleopt data prepare --input TEXT_FILE_OR_DIR --out DIR [--tokenizer bytes|bpe:VOCAB|tokenizer.json]
+  scaleopt convert import --hf HF_DIR --out PARAMS_DIR      (Qwen2/Llama safetensors -> Orbax)
+  scaleopt convert export --from RUN_OR_PARAMS_DIR --out HF_DIR [--step N] [--dtype bfloat16]
   scaleopt bias-study [--out docs/results.md]
   scaleopt run-default --out results        (what `make run` runs)
 
@@ -35,6 +37,14 @@ def _data_prepare(args: argparse.Namespace) -> int:
   from scaleopt.train.data import prepare_main
 
   return prepare_main(args.input, args.out, tokenizer=args.tokenizer) or 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+  from scaleopt.train.convert import convert_main
+
+  if args.direction == "import":
+    return convert_main("import", args.hf, args.out) or 0
+  return convert_main("export", args.source, args.out, step=args.step, dtype=args.dtype) or 0
 
 
 def _bias_study(args: argparse.Namespace) -> int:
@@ -96,6 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
                   help="bytes | bpe:VOCAB_SIZE (train a byte-level BPE on the training split) | "
                   "PATH/tokenizer.json[#SEPARATOR_TOKEN] (e.g. Qwen2.5's)")
   dp.set_defaults(fn=_data_prepare)
+
+  c = sub.add_parser("convert", help="Hugging Face safetensors <-> scaleopt parameters")
+  csub = c.add_subparsers(dest="direction", required=True)
+  ci = csub.add_parser("import", help="a Qwen2/Llama safetensors directory -> Orbax params")
+  ci.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
+  ci.add_argument("--out", required=True)
+  ci.set_defaults(fn=_convert)
+  ce = csub.add_parser("export", help="a run, checkpoint or converted directory -> safetensors")
+  ce.add_argument("--from", dest="source", required=True,
+                  help="run directory, RUN/checkpoints/N, or a `convert import` directory")
+  ce.add_argument("--out", required=True)
+  ce.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  ce.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  ce.set_defaults(fn=_convert)
 
   b = sub.add_parser("bias-study", help="measure the bias of std/cf/inv/full updates")
   b.add_argument("--out", default=str(ROOT / "docs" / "results.md"))

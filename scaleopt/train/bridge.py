@@ -14,7 +14,8 @@ from scaleopt.optim.collect import CollectorSpec
 from scaleopt.optim.schedules import make_schedule
 
 PyTree = Any
-MODEL_KEYS = ("preset", "variant", "wd_policy")  # model-section keys that are not ModelConfig fields
+# model-section keys that are not ModelConfig fields (init_from: scaleopt.train.convert)
+MODEL_KEYS = ("preset", "variant", "wd_policy", "init_from")
 
 
 def model_config(section: dict) -> models.ModelConfig:
@@ -71,6 +72,7 @@ class Model:
   init: Callable
   apply: Callable
   wd_policy: str
+  init_from: str | None = None  # a parameter source (scaleopt.train.convert) for fresh runs
 
   def loss_fn(self, params, tokens_BxT1):
     """(params, tokens [B, T+1]) -> (loss, aux): next-token CE (+ MoE aux loss)."""
@@ -93,4 +95,5 @@ def make_model(section: dict) -> Model:
   cfg = model_config(section)
   init, apply = models.functional(cfg)
   return Model(cfg=cfg, init=init, apply=apply,
-               wd_policy=section.get("wd_policy", "matrices-only"))
+               wd_policy=section.get("wd_policy", "matrices-only"),
+               init_from=section.get("init_from"))

@@ -20,7 +20,8 @@ import jax
 import numpy as np
 
 from scaleopt import models
-from scaleopt.train import bridge, checkpoint, data, mesh as mesh_lib, metrics, step as step_lib
+from scaleopt.train import (bridge, checkpoint, convert, data, mesh as mesh_lib, metrics,
+                            step as step_lib)
 from scaleopt.train.config import ConfigError, TrainConfig, dump_config
 
 EXIT_OK, EXIT_SKIPS, EXIT_SIGNAL = 0, 3, 143
@@ -122,6 +123,11 @@ def setup(cfg: TrainConfig) -> Setup:
   """Builds data, model, optimizer and mesh; every user error surfaces here."""
   mesh_lib.maybe_initialize_distributed(cfg.mesh.distributed)
   model = bridge.make_model(cfg.model)
+  if model.init_from:
+    try:
+      convert.check_matches(convert.open_source(model.init_from), model.cfg)
+    except convert.SourceError as e:
+      raise ConfigError(str(e)) from None
   wd_policy = model.wd_policy
   tx, spec, schedule = bridge.build_optimizer(
       cfg.optimizer, wd_mask=lambda p: models.weight_decay_mask(p, wd_policy),
@@ -150,6 +156,7 @@ def _put(sharding, local: np.ndarray, global_shape: tuple) -> jax.Array:
 class Compiled:
   """The jitted functions and the shardings they were compiled for."""
   init: Any  # () -> TrainState
+  init_with: Any  # params -> TrainState (step 0, optimizer state for these parameters)
   train_step: Any  # (state, batch) -> (state, metrics); state donated
   eval_step: Any  # (params, tokens [B, T+1]) -> mean CE
   state_shape: Any  # TrainState of ShapeDtypeStruct
@@ -170,6 +177,8 @@ def compile_fns(s: Setup) -> Compiled:
   batch_sh, eval_sh = mesh_lib.batch_sharding(mesh), mesh_lib.eval_sharding(mesh)
   return Compiled(
       init=jax.jit(init_fn, out_shardings=state_sh),
+      init_with=jax.jit(lambda p: init_fn()._replace(params=p, opt_state=s.tx.init(p)),
+                        in_shardings=(param_sh,), out_shardings=state_sh),
       train_step=jax.jit(step_lib.make_train_step(s.model, s.tx, s.spec, s.schedule),
                          in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                          donate_argnums=0),
@@ -254,7 +263,11 @@ def train(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False,
   else:
     if resume:
       print(f"no checkpoint in {ckpt_dir}; starting from scratch", file=sys.stderr)
-    state = fns.init()
+    if s.model.init_from:  # a fresh run from given parameters, fresh optimizer state
+      state = fns.init_with(convert.init_params(s.model.init_from, s.model.cfg,
+                                                fns.state_sh.params))
+    else:
+      state = fns.init()
   step0 = int(jax.device_get(state.step))
   log = metrics.MetricsLog(out, resume_step=step0 if start is not None else None,
                            tensorboard=r.tensorboard, enabled=is_main)

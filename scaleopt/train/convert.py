@@ -1,0 +1,209 @@
+"""``scaleopt convert``: Hugging Face safetensors <-> scaleopt parameters, and ``model.init_from``.
+
+  scaleopt convert import --hf HF_DIR --out PARAMS_DIR
+  scaleopt convert export --from SOURCE --out HF_DIR [--step N] [--dtype float32|bfloat16]
+
+A converted directory (``import``) holds ``model.json`` (the ModelConfig fields), ``params/``
+(an Orbax checkpoint of the parameter tree, float32) and ``hf/`` (the source's config.json and
+tokenizer files, copied back on export). A parameter SOURCE is any of
+
+  * a Hugging Face directory (``config.json`` + ``*.safetensors``; Qwen2 / Llama, see
+    :mod:`scaleopt.models.hf`),
+  * a converted directory,
+  * a run directory (its latest checkpoint, or ``--step``; the model from its config.yaml),
+  * one checkpoint directory ``RUN/checkpoints/N``.
+
+Training from a source: ``scaleopt train ... --set model.init_from=SOURCE`` starts a fresh run
+(step 0, fresh optimizer state) from those parameters; the run's model section must describe
+the same model (a mismatch names the field). ``--resume`` ignores ``init_from``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import shutil
+import sys
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import yaml
+
+from scaleopt import models
+from scaleopt.models import hf
+from scaleopt.train.config import ConfigError
+
+HF_EXTRAS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "vocab.json", "merges.txt")
+# ModelConfig fields that change numerics or speed but not the function or the parameters.
+_FREE = ("dtype", "remat", "scan_unroll", "attention_impl", "max_seq_len", "logits_dot_in_fp32",
+         "init_std", "moe_capacity_factor", "moe_lb_weight", "moe_z_weight")
+
+
+class SourceError(ConfigError):
+  """A parameter source is missing, unreadable or does not match the model."""
+
+
+@dataclasses.dataclass
+class Source:
+  kind: str  # hf | converted | checkpoint
+  path: pathlib.Path
+  cfg: models.ModelConfig
+  hf_dir: Optional[pathlib.Path] = None  # where config.json / tokenizer files come from
+
+
+def _run_model_config(run_dir: pathlib.Path) -> models.ModelConfig:
+  from scaleopt.train.bridge import model_config
+  section = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("model") or {}
+  return model_config({k: v for k, v in section.items()
+                       if k not in ("wd_policy", "init_from")})
+
+
+def _checkpoint_dir(path: pathlib.Path, step: Optional[int]) -> pathlib.Path:
+  ck = path / "checkpoints"
+  steps = sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit()
+                 and (p / "state").is_dir()) if ck.is_dir() else []
+  if not steps:
+    raise SourceError(f"run directory {str(path)!r} holds no complete checkpoint")
+  if step is None:
+    return ck / str(steps[-1])
+  if step not in steps:
+    raise SourceError(f"run directory {str(path)!r} has no checkpoint {step}; it has {steps}")
+  return ck / str(step)
+
+
+def open_source(path: str | pathlib.Path, step: Optional[int] = None) -> Source:
+  """Identifies a parameter source and reads its model config (no tensors yet)."""
+  p = pathlib.Path(path)
+  try:
+    if (p / "model.json").is_file() and (p / "params").is_dir():
+      fields = json.loads((p / "model.json").read_text())
+      hf_dir = p / "hf" if (p / "hf").is_dir() else None
+      return Source("converted", p, models.ModelConfig(**fields), hf_dir)
+    if (p / "config.json").is_file() and list(p.glob("*.safetensors")):
+      return Source("hf", p, hf.config_from_hf(json.loads((p / "config.json").read_text())), p)
+    if (p / "config.yaml").is_file() and (p / "checkpoints").is_dir():
+      return Source("checkpoint", _checkpoint_dir(p, step), _run_model_config(p))
+    if (p / "state").is_dir() and (p.parent.parent / "config.yaml").is_file():
+      return Source("checkpoint", p, _run_model_config(p.parent.parent))
+  except (ValueError, TypeError, KeyError, OSError) as e:
+    raise SourceError(f"parameter source {str(p)!r} cannot be read: {e}") from None
+  raise SourceError(f"parameter source {str(p)!r} is none of: a Hugging Face directory "
+                    "(config.json + *.safetensors), a `scaleopt convert import` directory, a run "
+                    "directory or a checkpoint directory RUN/checkpoints/N")
+
+
+def _restore_params(directory: pathlib.Path) -> dict:
+  """The parameter tree of an Orbax PyTree checkpoint (the ``params`` entry if it is a
+  TrainState), as numpy arrays; nothing else is read."""
+  import orbax.checkpoint as ocp
+  ckptr = ocp.PyTreeCheckpointer()
+  tree = ckptr.metadata(directory).item_metadata.tree
+  sub = "params" in tree and "opt_state" in tree
+  meta = tree["params"] if sub else tree
+  abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), meta)
+  rargs = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract)
+  if sub:
+    out = ckptr.restore(directory, args=ocp.args.PyTreeRestore(
+        item={"params": abstract}, restore_args={"params": rargs}, partial_restore=True))
+    return out["params"]
+  return ckptr.restore(directory, args=ocp.args.PyTreeRestore(item=abstract,
+                                                                restore_args=rargs))
+
+
+def read_params(src: Source) -> dict:
+  """The source's parameters as a nested dict of float32 numpy arrays."""
+  try:
+    if src.kind == "hf":
+      return hf.load_hf(src.path)[1]
+    if src.kind == "converted":
+      return _restore_params((src.path / "params").absolute())
+    return _restore_params((src.path / "state").absolute())
+  except hf.ConversionError:
+    raise
+  except (ValueError, KeyError, OSError) as e:
+    raise SourceError(f"parameters of {str(src.path)!r} cannot be read: {e}") from None
+
+
+def check_matches(src: Source, cfg: models.ModelConfig) -> None:
+  """Raises SourceError naming the first model field that differs from the source's."""
+  for f in dataclasses.fields(models.ModelConfig):
+    if f.name in _FREE:
+      continue
+    a, b = getattr(cfg, f.name), getattr(src.cfg, f.name)
+    if a != b:
+      raise SourceError(f"model.{f.name}={a!r}, but model.init_from={str(src.path)!r} has "
+                        f"{b!r}; set --set model.{f.name}={b!r} (or choose a matching preset)")
+
+
+def init_params(path: str, cfg: models.ModelConfig, shardings: Any) -> Any:
+  """The parameters of ``path`` placed with ``shardings`` (a tree like the parameters)."""
+  src = open_source(path)
+  check_matches(src, cfg)
+  try:
+    params = read_params(src)
+    return jax.tree.map(
+        lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: np.asarray(x[i],
+                                                                                  np.float32)),
+        params, shardings)
+  except SourceError:
+    raise
+  except (hf.ConversionError, ValueError) as e:
+    raise SourceError(f"parameters of {path!r} do not fit the model: {e}") from None
+
+
+def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path) -> models.ModelConfig:
+  """Writes a converted directory (module docstring) from a Hugging Face directory."""
+  import orbax.checkpoint as ocp
+  cfg, params = hf.load_hf(hf_dir)
+  out = pathlib.Path(out).absolute()
+  if (out / "params").exists():
+    raise SourceError(f"{str(out)!r} already holds converted parameters; choose another --out")
+  out.mkdir(parents=True, exist_ok=True)
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(out / "params", params)
+  ckptr.wait_until_finished()
+  (out / "model.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+  _copy_extras(pathlib.Path(hf_dir), out / "hf")
+  return cfg
+
+
+def _copy_extras(src: pathlib.Path, dst: pathlib.Path) -> None:
+  dst.mkdir(parents=True, exist_ok=True)
+  for name in HF_EXTRAS:
+    if (src / name).is_file():
+      shutil.copyfile(src / name, dst / name)
+
+
+def export_hf(source: str | pathlib.Path, out: str | pathlib.Path, step: Optional[int] = None,
+              dtype: str = "float32") -> models.ModelConfig:
+  """Writes a Hugging Face directory (config.json, model.safetensors, tokenizer files)."""
+  src = open_source(source, step)
+  params = read_params(src)
+  out = pathlib.Path(out)
+  base = None
+  if src.hf_dir is not None:
+    if out.absolute() != src.hf_dir.absolute():
+      _copy_extras(src.hf_dir, out)
+    if (src.hf_dir / "config.json").is_file():
+      base = json.loads((src.hf_dir / "config.json").read_text())
+  hf.save_hf(out, src.cfg, params, base_config=base, dtype=dtype)
+  return src.cfg
+
+
+def convert_main(direction: str, src: str, out: str, step: Optional[int] = None,
+                 dtype: str = "float32") -> int:
+  """``scaleopt convert import|export``; 0 on success, 2 on bad input (one-line error)."""
+  try:
+    if direction == "import":
+      cfg = import_hf(src, out)
+    else:
+      cfg = export_hf(src, out, step, dtype)
+  except (SourceError, hf.ConversionError, ValueError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"wrote {out}: {cfg.n_layers} layers x {cfg.d_model}, vocab {cfg.vocab_size}, "
+        f"{models.count_params(cfg):,} parameters")
+  return 0
