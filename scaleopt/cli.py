@@ -2,6 +2,8 @@
 
   scaleopt train --config configs/train/<name>.yaml --out RUN_DIR [--set a.b=v ...] [--resume]
   scaleopt sweep --config configs/sweeps/<name>.yaml --out DIR [--set a.b=v ...]
+  scaleopt study --config configs/studies/<name>.yaml --out DIR [--set a.b=v ...] [--cells GLOB ...]
+                 [--max-minutes M] [--shard i/n] [--report-only]
   scaleopt data prepare --input TEXT_FILE_OR_DIR --out DIR [--tokenizer bytes|bpe:VOCAB|tokenizer.json]
   scaleopt convert import --hf HF_DIR --out PARAMS_DIR      (Qwen2/Llama safetensors -> Orbax)
   scaleopt convert export --from RUN_OR_PARAMS_DIR --out HF_DIR [--step N] [--dtype bfloat16]
@@ -31,6 +33,14 @@ def _sweep(args: argparse.Namespace) -> int:
   from scaleopt.scaling.sweep import sweep_main
 
   return sweep_main(args.config, args.out, overrides=args.set) or 0
+
+
+def _study(args: argparse.Namespace) -> int:
+  from scaleopt.study.runner import study_main
+
+  return study_main(args.config, args.out, overrides=args.set, cells=args.cells,
+                    max_minutes=args.max_minutes, shard=args.shard,
+                    report_only=args.report_only) or 0
 
 
 def _data_prepare(args: argparse.Namespace) -> int:
@@ -96,6 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--out", required=True)
   s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
   s.set_defaults(fn=_sweep)
+
+  st = sub.add_parser("study", help="run a study (arms x learning rates x seeds) and report it")
+  st.add_argument("--config", required=True)
+  st.add_argument("--out", required=True)
+  st.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                  help="study override, e.g. seeds=[0,1,2] or run.steps=100 (repeatable)")
+  st.add_argument("--cells", nargs="+", default=None, metavar="GLOB",
+                  help="only cells whose id matches, e.g. 'adamw_bc/*'")
+  st.add_argument("--max-minutes", type=float, default=None,
+                  help="checkpoint and stop after this long (rerun to continue)")
+  st.add_argument("--shard", default=None, metavar="i/n", help="this machine's share of the "
+                  "conditions (arm x grid point): condition k runs where k mod n == i")
+  st.add_argument("--report-only", action="store_true", help="rebuild the report, train nothing")
+  st.set_defaults(fn=_study)
 
   d = sub.add_parser("data", help="data utilities")
   dsub = d.add_subparsers(dest="data_command", required=True)

@@ -413,6 +413,35 @@ class Batches:
     self.chunk = int(state["chunk"])
 
 
+class WindowRange(Windows):
+  """Windows ``[lo, hi)`` of another ``Windows`` (a contiguous, disjoint part of a split)."""
+
+  def __init__(self, base: Windows, lo: int, hi: int, name: str = "data"):
+    if not 0 <= lo < hi <= base.n:
+      raise DataError(f"{name}: window range [{lo}, {hi}) is empty or outside [0, {base.n})")
+    self.base, self.lo, self.n, self.seq_len = base, lo, hi - lo, base.seq_len
+
+  def get(self, idx: np.ndarray) -> np.ndarray:
+    return self.base.get(np.asarray(idx) + self.lo)
+
+
+HELDOUT_PARTS = ("val", "test")
+
+
+def heldout_part(windows: Windows, part: str) -> Windows:
+  """One of two disjoint halves of the held-out split, for studies that select
+  hyperparameters on one part and report on the other: ``"val"`` = windows ``[0, n // 2)``
+  (selection), ``"test"`` = windows ``[n // 2, n)`` (reporting). Ordinary training keeps
+  evaluating on the whole held-out split."""
+  if part not in HELDOUT_PARTS:
+    raise ValueError(f"held-out part {part!r}; allowed: {HELDOUT_PARTS}")
+  half = windows.n // 2
+  if half == 0:
+    raise DataError(f"the held-out split has {windows.n} window(s); a val/test cut needs >= 2")
+  lo, hi = (0, half) if part == "val" else (half, windows.n)
+  return WindowRange(windows, lo, hi, f"held-out {part}")
+
+
 def eval_batches(windows: Windows, batch_size: int, num: int, process_index: int = 0,
                  process_count: int = 1) -> list[np.ndarray]:
   """The fixed evaluation set: the first ``num * batch_size`` windows (wrapping), in order."""

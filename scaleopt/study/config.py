@@ -1,0 +1,329 @@
+"""Study configs: a base training config plus a grid of arms, learning rates, seeds and keys.
+
+A study file (``configs/studies/<name>.yaml``)::
+
+  name: bc_tiny
+  base: ../train/tiny.yaml        # a training config, relative to this file (optional)
+  train: {run: {steps: 60}}       # merged over ``base`` (any training key, nested mappings)
+  arms:                           # named overrides: dotted training keys -> values
+    adamw: {}
+    adamw_bc: {optimizer.name: adamw_bc, optimizer.extra: {mode: full, crossfit: loo},
+               learning_rates: [1.0e-3, 3.0e-3]}     # optional per-arm learning rates
+  baseline: adamw                 # the arm every other arm is compared with (paired over seeds)
+  compute_baselines: []           # arms used for the equal-gradient-pass comparison
+  learning_rates: [1.0e-3, 3.0e-3]
+  seeds: [0, 1]                   # every learning rate runs these seeds
+  best_lr_seeds: []               # more seeds, run at each arm's best lr once it is known
+  grid: {}                        # any other dotted key -> values, crossed with everything
+  engine: {kind: vmap, cells_at_once: 4}   # vmap: lr/seed cells share one compiled step
+
+A cell is one point (arm, grid values, learning rate, seed); its training config is
+``base <- train <- arm overrides <- grid values <- optimizer.learning_rate, run.seed``, an
+ordinary ``TrainConfig``. Every cell's config is validated before anything runs; errors name
+the study key (``arms.adamw_bc.optimizer.extra``) and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import itertools
+import json
+import pathlib
+import re
+from typing import Any, Optional
+
+import yaml
+
+from scaleopt.train import config as train_config
+from scaleopt.train.config import ConfigError
+
+TOP_KEYS = ("name", "description", "base", "train", "arms", "baseline", "compute_baselines",
+            "learning_rates", "seeds", "best_lr_seeds", "grid", "engine")
+ENGINES = ("vmap", "loop")
+TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "mesh")
+LR_KEY, SEED_KEY = "optimizer.learning_rate", "run.seed"
+# Keys that do not change what a cell computes (output cadence, devices); ignored when a cell
+# folder is checked against the study.
+COSMETIC = ("run.progress", "run.tensorboard", "run.plot", "run.async_checkpoint",
+            "run.peak_flops", "run.keep_checkpoints", "run.checkpoint_every", "mesh.")
+_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  """One training run of a study."""
+  arm: str
+  grid: tuple  # ((dotted key, value), ...) in the study's grid order
+  lr: float
+  seed: int
+  stage: int  # 1: learning-rate search, 2: extra seed at the arm's best lr
+
+  @property
+  def condition(self) -> tuple:
+    """(arm, grid): the cells whose best lr is chosen together."""
+    return (self.arm, self.grid)
+
+  @property
+  def id(self) -> str:
+    parts = [f"{k}={_fmt(v)}" for k, v in self.grid] + [f"lr={self.lr:g}", f"seed={self.seed}"]
+    return f"{self.arm}/{','.join(parts)}"
+
+
+@dataclasses.dataclass
+class Study:
+  name: str
+  path: Optional[pathlib.Path]
+  base: dict  # merged raw training config (before arm / grid / lr / seed)
+  arms: dict  # name -> {"set": {dotted: value}, "learning_rates": [...]}
+  baseline: str
+  compute_baselines: list
+  seeds: list
+  best_lr_seeds: list
+  grid: dict  # dotted key -> list of values
+  engine: str
+  cells_at_once: int
+  raw: dict
+
+  def grid_points(self) -> list[tuple]:
+    keys = list(self.grid)
+    return [tuple(zip(keys, vals)) for vals in itertools.product(*self.grid.values())]
+
+  def lrs(self, arm: str) -> list[float]:
+    return self.arms[arm]["learning_rates"]
+
+  def search_cells(self) -> list[Cell]:
+    """Stage 1: every arm x grid point x its learning rates x ``seeds``."""
+    return [Cell(a, g, lr, s, 1) for a in self.arms for g in self.grid_points()
+            for lr in self.lrs(a) for s in self.seeds]
+
+  def best_lr_cells(self, arm: str, grid: tuple, best_lr: float) -> list[Cell]:
+    """Stage 2: the ``best_lr_seeds`` not already run at the best lr."""
+    return [Cell(arm, grid, best_lr, s, 2) for s in self.best_lr_seeds if s not in self.seeds]
+
+  def cell_raw(self, cell: Cell) -> dict:
+    """The raw training config of a cell (validate with ``train.config.from_dict``)."""
+    raw = copy.deepcopy(self.base)
+    for k, v in self.arms[cell.arm]["set"].items():
+      set_dotted(raw, k, v)
+    for k, v in cell.grid:
+      set_dotted(raw, k, v)
+    set_dotted(raw, LR_KEY, float(cell.lr))
+    set_dotted(raw, SEED_KEY, int(cell.seed))
+    return raw
+
+  def cell_config(self, cell: Cell) -> train_config.TrainConfig:
+    try:
+      return train_config.from_dict(self.cell_raw(cell))
+    except ConfigError as e:
+      raise ConfigError(f"study cell {cell.id}: {e}") from None
+
+
+def _fmt(v: Any) -> str:
+  return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def set_dotted(raw: dict, dotted: str, value: Any) -> None:
+  node = raw
+  parts = dotted.split(".")
+  for p in parts[:-1]:
+    nxt = node.get(p)
+    if nxt is None:
+      nxt = node[p] = {}
+    if not isinstance(nxt, dict):
+      raise ConfigError(f"key '{dotted}': '{p}' is a value, not a section")
+    node = nxt
+  node[parts[-1]] = copy.deepcopy(value)
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    key = f"{prefix}{k}"
+    if isinstance(v, dict) and v:
+      out.update(flatten(v, key + "."))
+    else:
+      out[key] = v
+  return out
+
+
+def merge(a: dict, b: dict) -> dict:
+  """``b`` merged over ``a`` (nested mappings merge, everything else replaces)."""
+  out = copy.deepcopy(a)
+  for k, v in b.items():
+    if isinstance(v, dict) and isinstance(out.get(k), dict):
+      out[k] = merge(out[k], v)
+    else:
+      out[k] = copy.deepcopy(v)
+  return out
+
+
+def fingerprint(cfg_dict: dict, drop: tuple = ()) -> dict:
+  """The flattened config without cosmetic keys (and without ``drop``)."""
+  flat = flatten(json.loads(json.dumps(cfg_dict)))
+  skip = COSMETIC + tuple(drop)
+  return {k: v for k, v in flat.items()
+          if not any(k == c or (c.endswith(".") and k.startswith(c)) for c in skip)}
+
+
+def group_key(cfg: train_config.TrainConfig) -> str:
+  """Cells with equal group keys differ only in learning rate and seed (one compiled step)."""
+  fp = fingerprint(cfg.to_dict(), drop=(LR_KEY, SEED_KEY))
+  return hashlib.sha1(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _list(raw: dict, key: str, kind: type, default=None, allow_empty: bool = False) -> list:
+  v = raw.get(key, default)
+  ok = isinstance(v, list) and (allow_empty or v) and all(
+      isinstance(x, (int, float) if kind is float else kind) and not isinstance(x, bool)
+      for x in v)
+  if not ok:
+    what = "numbers" if kind is float else "integers"
+    raise ConfigError(f"study key '{key}'={v!r} must be a {'' if allow_empty else 'non-empty '}"
+                      f"list of {what}")
+  if len(set(v)) != len(v):
+    raise ConfigError(f"study key '{key}'={v!r} has duplicates")
+  if kind is float and any(x <= 0 for x in v):
+    raise ConfigError(f"study key '{key}'={v!r}: learning rates must be > 0")
+  return [float(x) for x in v] if kind is float else list(v)
+
+
+def _arm(name: str, spec: Any, lrs: Optional[list]) -> dict:
+  if not _NAME.match(str(name)):
+    raise ConfigError(f"study key 'arms.{name}': arm names may use letters, digits and _ . + -")
+  spec = {} if spec is None else spec
+  if not isinstance(spec, dict):
+    raise ConfigError(f"study key 'arms.{name}' must be a mapping of dotted training keys")
+  sets = {}
+  for k, v in spec.items():
+    if k == "learning_rates":
+      continue
+    if "." not in k or k.split(".")[0] not in TRAIN_SECTIONS:
+      raise ConfigError(f"study key 'arms.{name}.{k}' is not a dotted training key (e.g. "
+                        f"optimizer.name) nor 'learning_rates'")
+    if k in (LR_KEY, SEED_KEY):
+      raise ConfigError(f"study key 'arms.{name}.{k}': set learning rates with "
+                        "'learning_rates' and seeds with 'seeds'")
+    sets[k] = v
+  arm_lrs = _list(spec, "learning_rates", float) if "learning_rates" in spec else lrs
+  if arm_lrs is None:
+    raise ConfigError(f"study key 'learning_rates' is missing (and arm '{name}' has none)")
+  return {"set": sets, "learning_rates": arm_lrs}
+
+
+def from_dict(raw: dict, path: Optional[pathlib.Path] = None) -> Study:
+  """Validates a study mapping; every cell's training config is checked too."""
+  if not isinstance(raw, dict):
+    raise ConfigError("a study config must be a mapping")
+  for k in raw:
+    if k not in TOP_KEYS:
+      raise ConfigError(f"unknown study key '{k}'; allowed: {list(TOP_KEYS)}")
+  name = raw.get("name")
+  if not isinstance(name, str) or not _NAME.match(name):
+    raise ConfigError(f"study key 'name'={name!r} must be a name (letters, digits, _ . + -)")
+  base: dict = {}
+  if raw.get("base") is not None:
+    bp = pathlib.Path(raw["base"])
+    if not bp.is_absolute() and path is not None:
+      bp = path.parent / bp
+    if not bp.is_file():
+      raise ConfigError(f"study key 'base'={raw['base']!r}: no file {str(bp)!r}")
+    base = train_config._numbers(yaml.safe_load(bp.read_text()) or {})
+  train = raw.get("train") or {}
+  if not isinstance(train, dict):
+    raise ConfigError("study key 'train' must be a mapping of training sections")
+  base = merge(base, train)
+  lrs = _list(raw, "learning_rates", float) if "learning_rates" in raw else None
+  arms_raw = raw.get("arms")
+  if not isinstance(arms_raw, dict) or not arms_raw:
+    raise ConfigError("study key 'arms' must be a non-empty mapping of arm name -> overrides")
+  arms = {str(n): _arm(n, s, lrs) for n, s in arms_raw.items()}
+  baseline = raw.get("baseline", next(iter(arms)))
+  if baseline not in arms:
+    raise ConfigError(f"study key 'baseline'={baseline!r} is not an arm; arms: {list(arms)}")
+  cb = raw.get("compute_baselines") or []
+  if not isinstance(cb, list) or any(c not in arms for c in cb):
+    raise ConfigError(f"study key 'compute_baselines'={cb!r} must list arms of {list(arms)}")
+  seeds = _list(raw, "seeds", int, default=[0])
+  best = _list(raw, "best_lr_seeds", int, default=[], allow_empty=True)
+  grid = raw.get("grid") or {}
+  if not isinstance(grid, dict):
+    raise ConfigError("study key 'grid' must map dotted training keys to lists of values")
+  for k, v in grid.items():
+    if "." not in k or k.split(".")[0] not in TRAIN_SECTIONS or k in (LR_KEY, SEED_KEY):
+      raise ConfigError(f"study key 'grid.{k}' must be a dotted training key other than "
+                        f"{LR_KEY} and {SEED_KEY}")
+    if not isinstance(v, list) or not v or any(isinstance(x, (dict, list)) for x in v):
+      raise ConfigError(f"study key 'grid.{k}'={v!r} must be a non-empty list of scalars")
+    if any(not _NAME.match(_fmt(x)) for x in v):
+      raise ConfigError(f"study key 'grid.{k}'={v!r}: values may use letters, digits, _ . + -")
+  eng = raw.get("engine") or {}
+  if not isinstance(eng, dict) or set(eng) - {"kind", "cells_at_once"}:
+    raise ConfigError(f"study key 'engine'={eng!r}: allowed keys kind, cells_at_once")
+  kind = eng.get("kind", "vmap")
+  if kind not in ENGINES:
+    raise ConfigError(f"study key 'engine.kind'={kind!r}; choose one of {ENGINES}")
+  cao = eng.get("cells_at_once", 4)
+  if not isinstance(cao, int) or isinstance(cao, bool) or cao < 1:
+    raise ConfigError(f"study key 'engine.cells_at_once'={cao!r} must be an integer >= 1")
+  st = Study(name, path, base, arms, baseline, list(cb), seeds, best, dict(grid), kind, cao,
+             raw)
+  cells = st.search_cells() + [c for a in arms for g in st.grid_points()
+                               for c in st.best_lr_cells(a, g, st.lrs(a)[0])]
+  built = set()
+  for c in cells:  # every cell validates before anything runs
+    opt = st.cell_config(c).optimizer
+    k = json.dumps(opt, sort_keys=True, default=str)
+    if k not in built:
+      _check_build(c, opt)
+      built.add(k)
+  return st
+
+
+def _check_build(cell: Cell, opt: dict) -> None:
+  """Builds the optimizer (pure Python, nothing compiles): its transforms check the values of
+  ``optimizer.extra`` that the config schema only checks by name."""
+  from scaleopt.train import bridge
+  try:
+    bridge.build_optimizer(opt, wd_mask=None, sparse_filter=None)
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"study cell {cell.id}: config section 'optimizer': {e}") from None
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+  """``key=value`` overrides of the study mapping; a first component that names a training
+  section (``run.steps=50``) goes to ``train``."""
+  out = copy.deepcopy(raw)
+  for item in overrides or []:
+    if "=" not in item:
+      raise ConfigError(f"override {item!r} must look like key=value")
+    key, value = item.split("=", 1)
+    key = key.strip()
+    if not key or not all(key.split(".")):
+      raise ConfigError(f"override key {key!r} is empty or malformed")
+    try:
+      val = train_config._numbers(yaml.safe_load(value))
+    except yaml.YAMLError as e:
+      raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
+    if key.split(".")[0] in TRAIN_SECTIONS:
+      key = "train." + key
+    parts = key.split(".")
+    if parts[0] == "arms" and len(parts) > 2:  # arms.NAME.section.key: the rest is one key
+      arm = out.setdefault("arms", {}).setdefault(parts[1], {}) or {}
+      out["arms"][parts[1]] = arm
+      arm[".".join(parts[2:])] = val
+      continue
+    set_dotted(out, key, val)
+  return out
+
+
+def load(path: str | pathlib.Path, overrides: Optional[list[str]] = None) -> Study:
+  p = pathlib.Path(path)
+  if not p.is_file():
+    raise ConfigError(f"study config {str(p)!r} does not exist")
+  try:
+    raw = yaml.safe_load(p.read_text()) or {}
+  except yaml.YAMLError as e:
+    raise ConfigError(f"study config {str(p)!r} is not valid YAML: {e}") from None
+  return from_dict(apply_overrides(train_config._numbers(raw), overrides or []), p)

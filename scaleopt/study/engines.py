@@ -1,0 +1,95 @@
+"""The two ways a study trains its cells, both returning the same per-cell result dicts.
+
+``run_loop``: one ordinary ``scaleopt.train.loop.train`` run (any mesh, one compile per cell).
+``run_vmapped``: a group of cells through ``vmapped.train_group`` (one device, one compile per
+group). Both evaluate the held-out split's ``val`` part (learning-rate selection) and its
+``test`` part (reported numbers) at the end, on the same ``eval_batches`` windows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Optional
+
+import jax
+import numpy as np
+
+from scaleopt.train import bridge, checkpoint, data, loop
+from scaleopt.train.config import TrainConfig
+
+NAN = float("nan")
+
+
+def single_device(cfg: TrainConfig) -> bool:
+  m = cfg.mesh
+  return jax.device_count() == 1 or (m.data == 1 and m.fsdp == 1 and m.tensor == 1)
+
+
+def gradient_passes(cfg: TrainConfig, spec, steps: int) -> float:
+  """Sequences through forward + backward: steps x batch x groups x sweeps per step."""
+  return float(steps * cfg.data.batch_size * spec.num_groups * bridge.passes_per_step(spec))
+
+
+def _result(cfg, spec, summ: dict, status: str, val: float, test: float, engine: str) -> dict:
+  steps = int(summ.get("steps") or 0)
+  bad = status != "ok"
+  return {"status": status, "steps": steps, "tokens": summ.get("tokens"),
+          "gradient_passes": gradient_passes(cfg, spec, steps),
+          "val_loss": NAN if bad else val, "test_loss": NAN if bad else test,
+          "train_loss": summ.get("final_train_loss"), "wall_time_s": summ.get("wall_time_s"),
+          "tokens_per_s": summ.get("tokens_per_s"),
+          "cells_at_once": summ.get("cells_at_once", 1), "engine": engine,
+          "card": summ.get("device_kind") or jax.devices()[0].device_kind}
+
+
+def _heldout_losses(s: loop.Setup, fns: loop.Compiled, params) -> dict:
+  d, r = s.cfg.data, s.cfg.run
+  pi, pc = jax.process_index(), jax.process_count()
+  out = {}
+  for part in data.HELDOUT_PARTS:
+    w = data.heldout_part(s.val_w, part)
+    bs = [loop._put(fns.eval_sh, b, (d.batch_size, d.seq_len + 1))
+          for b in data.eval_batches(w, d.batch_size, r.eval_batches, pi, pc)]
+    out[part] = (float(np.mean(jax.device_get([fns.eval_step(params, b) for b in bs])))
+                 if bs else NAN)
+  return out
+
+
+def run_loop(cfg: TrainConfig, d: pathlib.Path, resume: bool) -> dict:
+  """One cell as an ordinary training run; evaluation during training uses the val part."""
+  s = loop.setup(cfg)
+  s_val = dataclasses.replace(s, val_w=data.heldout_part(s.val_w, "val"))
+  status = "ok"
+  try:
+    loop.train(cfg, d, resume=resume, s=s_val)
+  except loop.SkipLimit:
+    status = "diverged"
+  except loop.Interrupted:
+    return {"status": "interrupted"}
+  summ = json.loads((d / "summary.json").read_text())
+  losses = {"val": NAN, "test": NAN}
+  if status == "ok":
+    fns = loop.compile_fns(s)
+    ck = checkpoint.Checkpointer(d / "checkpoints", cfg.run.keep_checkpoints, False)
+    state, _ = ck.restore(ck.latest_step(), checkpoint.abstract(fns.state_shape, fns.state_sh))
+    ck.close()
+    losses = _heldout_losses(s, fns, state.params)
+  return _result(cfg, s.spec, summ, status, losses["val"], losses["test"], "loop")
+
+
+def run_vmapped(cfgs: list[TrainConfig], dirs: list[pathlib.Path], resume_step: Optional[int],
+                should_stop, key: Optional[str] = None) -> list[dict]:
+  from scaleopt.study import vmapped
+  res = vmapped.train_group(cfgs, dirs, resume_step=resume_step, should_stop=should_stop,
+                            key=key)
+  out = []
+  for i, cfg in enumerate(cfgs):
+    if res.status[i] == "interrupted":
+      out.append({"status": "interrupted"})
+      continue
+    out.append(_result(cfg, res.spec, res.summaries[i], res.status[i], res.val_loss[i],
+                       res.test_loss[i], "vmap"))
+  return out

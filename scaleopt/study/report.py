@@ -1,0 +1,315 @@
+"""A study's report from its finished cells: results.csv, summary.md, curves.png, lr.png.
+
+Statistics (all over seeds, n = number of finished seeds):
+
+* mean and 95% Student-t interval: ``mean +- t_{0.975, n-1} s / sqrt(n)``, s the sample
+  standard deviation (ddof 1); no interval for n < 2.
+* the difference from the baseline arm, paired by seed (equal seeds share the initialization
+  and, for equal data layouts, the batches): the t-interval of the per-seed differences
+  ``d_s = loss_arm(s) - loss_baseline(s)`` over the seeds both have.
+* learning rate: per condition (arm x grid point) the lr with the lowest mean ``val`` loss over
+  the search seeds; reported numbers are ``test`` losses at that lr (a disjoint split).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Optional, Sequence
+
+import numpy as np
+from scipy import stats as sps
+
+COLUMNS = ("cell", "arm", "lr", "seed", "stage", "status", "steps", "tokens", "gradient_passes",
+           "val_loss", "test_loss", "train_loss", "wall_time_s", "tokens_per_s",
+           "cells_at_once", "engine", "card")
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+  mean: float
+  lo: float
+  hi: float
+  n: int
+
+  def fmt(self, digits: int = 4, signed: bool = False) -> str:
+    f = f"{'+' if signed else ''}.{digits}f"
+    if self.n == 0:
+      return "-"
+    if self.n < 2:
+      return f"{self.mean:{f}} (n=1)"
+    return f"{self.mean:{f}} [{self.lo:{f}}, {self.hi:{f}}]"
+
+
+def t_interval(x: Sequence[float], level: float = 0.95) -> Interval:
+  """Mean and two-sided Student-t interval of the mean (normal samples, unknown variance)."""
+  x = np.asarray([v for v in x if v is not None and math.isfinite(v)], np.float64)
+  n = x.size
+  if n == 0:
+    return Interval(math.nan, math.nan, math.nan, 0)
+  m = float(x.mean())
+  if n < 2:
+    return Interval(m, math.nan, math.nan, 1)
+  half = float(sps.t.ppf(0.5 + level / 2, n - 1) * x.std(ddof=1) / math.sqrt(n))
+  return Interval(m, m - half, m + half, n)
+
+
+def paired_interval(a: dict, b: dict, level: float = 0.95) -> Interval:
+  """t-interval of a[s] - b[s] over the seeds s where both are finite."""
+  common = [s for s in a if s in b and _finite(a[s]) and _finite(b[s])]
+  return t_interval([a[s] - b[s] for s in sorted(common)], level)
+
+
+def verdict(iv: Interval) -> str:
+  if iv.n < 2 or not math.isfinite(iv.lo):
+    return "n < 2"
+  return "lower" if iv.hi < 0 else ("higher" if iv.lo > 0 else "n.s.")
+
+
+def _finite(v) -> bool:
+  return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def clean(d: dict) -> dict:
+  return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Finished cells.
+
+
+def _result_files(out: pathlib.Path) -> list[pathlib.Path]:
+  return sorted((pathlib.Path(out) / "cells").glob("*/*/result.json"))
+
+
+def finished_ids(out: pathlib.Path) -> set:
+  return {json.loads(p.read_text())["id"] for p in _result_files(out)}
+
+
+def read_rows(out: pathlib.Path) -> list[dict]:
+  rows = []
+  for p in _result_files(out):
+    r = json.loads(p.read_text())
+    r["dir"] = str(p.parent)
+    for k in ("val_loss", "test_loss", "train_loss"):
+      if r.get(k) is None:
+        r[k] = math.nan
+    rows.append(r)
+  return rows
+
+
+def _cond_rows(st, rows: list[dict], cond: tuple) -> list[dict]:
+  arm, grid = cond
+  return [r for r in rows if r["arm"] == arm and all(
+      str(r.get(k)) == str(v) for k, v in grid)]
+
+
+def lr_table(st, rows: list[dict], cond: tuple) -> dict:
+  """lr -> (mean val loss over the search seeds, finished seeds, non-finite seeds)."""
+  out = {}
+  for lr in st.lrs(cond[0]):
+    vals = [r["val_loss"] for r in _cond_rows(st, rows, cond)
+            if math.isclose(r["lr"], lr, rel_tol=1e-9) and r["seed"] in st.seeds]
+    ok = [v for v in vals if _finite(v)]
+    mean = float(np.mean(ok)) if ok and len(ok) == len(vals) else math.inf
+    out[lr] = (mean, len(vals), len(vals) - len(ok))
+  return out
+
+
+def best_lr(st, rows: list[dict], cond: tuple) -> Optional[float]:
+  """The lr with the lowest mean val loss once every search cell of ``cond`` is finished (an
+  lr where any seed diverged counts as infinitely bad); None before."""
+  tab = lr_table(st, rows, cond)
+  if any(n < len(st.seeds) for _, n, _ in tab.values()):
+    return None
+  return min(tab, key=lambda lr: (tab[lr][0], lr))
+
+
+@dataclasses.dataclass
+class Condition:
+  arm: str
+  grid: tuple
+  best_lr: Optional[float]
+  test: dict  # seed -> test loss at the best lr
+  val: dict
+  passes: Optional[float]
+  dirs: dict  # seed -> cell folder at the best lr
+
+
+def analyse(st, rows: list[dict]) -> list[Condition]:
+  out = []
+  for cond in dict.fromkeys(c.condition for c in st.search_cells()):
+    lr = best_lr(st, rows, cond)
+    sel = [r for r in _cond_rows(st, rows, cond)
+           if lr is not None and math.isclose(r["lr"], lr, rel_tol=1e-9)]
+    out.append(Condition(cond[0], cond[1], lr, {r["seed"]: r["test_loss"] for r in sel},
+                         {r["seed"]: r["val_loss"] for r in sel},
+                         sel[0]["gradient_passes"] if sel else None,
+                         {r["seed"]: r["dir"] for r in sel}))
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs.
+
+
+def write_csv(st, rows: list[dict], path: pathlib.Path) -> None:
+  grid_keys = list(st.grid)
+  cols = ["cell", "arm", *grid_keys, *COLUMNS[2:]]
+  with path.open("w", newline="") as fh:
+    w = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
+    w.writeheader()
+    for r in sorted(rows, key=lambda r: r["id"]):
+      w.writerow({**{k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()},
+                  "cell": r["id"]})
+
+
+def _grid_str(grid: tuple) -> str:
+  return ", ".join(f"{k}={v}" for k, v in grid) or "-"
+
+
+def summary_md(st, rows: list[dict], conds: list[Condition], n_planned: int) -> str:
+  cards = sorted({r.get("card") for r in rows if r.get("card")})
+  base = {c.grid: c for c in conds if c.arm == st.baseline}
+  by = {(c.arm, c.grid): c for c in conds}
+  has_grid = bool(st.grid)
+  lines = [f"# Study `{st.name}`", "",
+           f"{len(rows)} of {n_planned} planned cells finished; card(s): {', '.join(cards) or '-'}.",
+           "Learning rate chosen per arm (and grid point) on the `val` half of the held-out "
+           "split (lowest mean over the search seeds "
+           f"{st.seeds}); every number below is the `test` half, at that learning rate. "
+           "Intervals: 95% Student-t over seeds (mean +- t(0.975, n-1) s/sqrt(n)); "
+           f"differences from `{st.baseline}` are paired by seed (t-interval of the per-seed "
+           "differences). Verdict: `lower`/`higher` when the interval excludes 0, else `n.s.`.",
+           ""]
+  head = ["arm"] + (["grid"] if has_grid else []) + [
+      "best lr", "seeds", "test loss [95% CI]", "grad passes", f"diff vs {st.baseline} [95% CI]",
+      "verdict", "at equal grad passes"]
+  lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+  for c in conds:
+    iv = t_interval(list(c.test.values()))
+    b = base.get(c.grid)
+    diff, ver, eq = "-", "-", "-"
+    ratio = "-"
+    if b is not None and c.arm != st.baseline and b.best_lr is not None and c.best_lr is not None:
+      d = paired_interval(c.test, b.test)
+      diff, ver = d.fmt(signed=True), verdict(d)
+      if c.passes and b.passes and not math.isclose(c.passes, b.passes):
+        eq = "no equal-pass baseline"
+        for cb in st.compute_baselines:
+          o = by.get((cb, c.grid))
+          if cb != c.arm and o and o.passes and math.isclose(o.passes, c.passes):
+            de = paired_interval(c.test, o.test)
+            eq = f"vs {cb}: {de.fmt(signed=True)} {verdict(de)}"
+    if b is not None and c.passes and b.passes:
+      ratio = f"{c.passes / b.passes:g}x"
+    n_bad = sum(not _finite(v) for v in c.test.values())
+    seeds = f"{iv.n}" + (f" (+{n_bad} diverged)" if n_bad else "")
+    cells = [c.arm] + ([_grid_str(c.grid)] if has_grid else []) + [
+        f"{c.best_lr:g}" if c.best_lr is not None else "search unfinished", seeds, iv.fmt(),
+        ratio, diff, ver, eq]
+    lines.append("| " + " | ".join(cells) + " |")
+  lines += ["", "## Learning-rate search", "",
+            "Mean `val` loss over the search seeds (inf: a seed diverged; - : unfinished).", ""]
+  all_lrs = sorted({lr for a in st.arms for lr in st.lrs(a)})
+  head = ["arm"] + (["grid"] if has_grid else []) + [f"{lr:g}" for lr in all_lrs]
+  lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+  for c in conds:
+    tab = lr_table(st, rows, (c.arm, c.grid))
+    cells = []
+    for lr in all_lrs:
+      if lr not in tab or tab[lr][1] < len(st.seeds):
+        cells.append("-")
+      else:
+        v = f"{tab[lr][0]:.4f}"
+        cells.append(f"**{v}**" if c.best_lr is not None and math.isclose(lr, c.best_lr) else v)
+    lines.append("| " + " | ".join([c.arm] + ([_grid_str(c.grid)] if has_grid else []) + cells)
+                 + " |")
+  lines += ["", "Files: `results.csv` (one row per cell), `curves.png` (loss curves at each "
+            "arm's best lr; line = mean over seeds, band = min..max), `lr.png` (final val loss "
+            "against lr; bars = min..max over seeds).", ""]
+  return "\n".join(lines)
+
+
+def _read_curve(d: str, key: str) -> dict:
+  p = pathlib.Path(d) / "metrics.jsonl"
+  if not p.is_file():
+    return {}
+  out = {}
+  for line in p.read_text().splitlines():
+    if line.strip():
+      r = json.loads(line)
+      if r.get(key) is not None:
+        out[r["step"]] = r[key]
+  return out
+
+
+def plot(st, rows: list[dict], conds: list[Condition], out: pathlib.Path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  grids = list(dict.fromkeys(c.grid for c in conds))
+  arms = list(st.arms)
+  color = {a: f"C{i % 10}" for i, a in enumerate(arms)}
+  w = min(4.5 * len(grids), 18)
+  fig, axes = plt.subplots(1, len(grids), figsize=(w, 3.8), squeeze=False)
+  for ax, g in zip(axes[0], grids):
+    for c in conds:
+      if c.grid != g or not c.dirs:
+        continue
+      for key, ls, lab in (("loss", "-", "train"), ("eval_loss", "--", "val")):
+        curves = [_read_curve(d, key) for d in c.dirs.values()]
+        steps = sorted(set.intersection(*(set(cv) for cv in curves))) if curves else []
+        if not steps:
+          continue
+        y = np.array([[cv[s] for s in steps] for cv in curves], np.float64)
+        ax.plot(steps, y.mean(0), ls=ls, color=color[c.arm], marker="o" if lab == "val" else None,
+                ms=3, label=f"{c.arm} {lab} (lr {c.best_lr:g}, n={len(curves)})")
+        ax.fill_between(steps, y.min(0), y.max(0), color=color[c.arm], alpha=0.2, lw=0)
+    ax.set_title(_grid_str(g) if st.grid else st.name, fontsize=9)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(out / "curves.png", dpi=110)
+  plt.close(fig)
+
+  fig, axes = plt.subplots(1, len(grids), figsize=(w, 3.8), squeeze=False)
+  for ax, g in zip(axes[0], grids):
+    for a in arms:
+      pts = []
+      for lr in st.lrs(a):
+        v = [r["val_loss"] for r in _cond_rows(st, rows, (a, g))
+             if math.isclose(r["lr"], lr, rel_tol=1e-9) and _finite(r["val_loss"])]
+        if v:
+          pts.append((lr, np.mean(v), np.min(v), np.max(v)))
+      if pts:
+        x, m, lo, hi = map(np.array, zip(*pts))
+        ax.errorbar(x, m, yerr=[m - lo, hi - m], color=color[a], marker="o", capsize=3, label=a)
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("final val loss")
+    ax.set_title(_grid_str(g) if st.grid else st.name, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out / "lr.png", dpi=110)
+  plt.close(fig)
+
+
+def write_report(st, out: pathlib.Path, plots: bool = True) -> list[Condition]:
+  out = pathlib.Path(out)
+  rows = read_rows(out)
+  conds = analyse(st, rows)
+  n_planned = len(st.search_cells()) + sum(
+      len(st.best_lr_cells(c.arm, c.grid, c.best_lr if c.best_lr is not None else st.lrs(c.arm)[0]))
+      for c in conds)
+  write_csv(st, rows, out / "results.csv")
+  (out / "summary.md").write_text(summary_md(st, rows, conds, n_planned))
+  if plots and rows:
+    plot(st, rows, conds, out)
+  return conds

@@ -1,0 +1,266 @@
+"""``scaleopt study``: run the cells of a study (resumably, in pieces), then report.
+
+Folder layout (``--out DIR``)::
+
+  DIR/study.yaml                 the study as run (after --set)
+  DIR/cells/<arm>/<k=v,...,lr=..,seed=..>/
+      cell.json                  the cell and its config fingerprint (checked on every run)
+      config.yaml metrics.jsonl summary.json checkpoints/ [loss.png]   (a training run)
+      result.json                written last: the cell is finished
+  DIR/results.csv DIR/summary.md DIR/curves.png DIR/lr.png
+
+A cell with ``result.json`` is skipped; one with checkpoints resumes from the latest. Cells of
+one condition (arm x grid point) always go to the same ``--shard i/n`` (condition k -> shard
+k mod n), so the extra seeds at the best learning rate are known where the search ran; folders
+from different machines merge by copying ``cells/`` trees, and a rerun (or ``--report-only``)
+rebuilds the report from every finished cell present.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import math
+import os
+import pathlib
+import signal
+import sys
+import threading
+import time
+from typing import Optional
+
+import yaml
+
+from scaleopt.study import config as study_config
+from scaleopt.study import report
+from scaleopt.study.config import Cell, ConfigError, Study
+
+EXIT_OK, EXIT_CONFIG, EXIT_SIGNAL = 0, 2, 143
+
+
+def cell_dir(out: pathlib.Path, cell: Cell) -> pathlib.Path:
+  return out / "cells" / cell.id
+
+
+def latest_checkpoint(d: pathlib.Path) -> Optional[int]:
+  ck = d / "checkpoints"
+  steps = [int(p.name) for p in ck.iterdir() if p.is_dir() and p.name.isdigit()] \
+      if ck.is_dir() else []
+  return max(steps) if steps else None
+
+
+def check_cell_folder(st: Study, cell: Cell, d: pathlib.Path) -> None:
+  """A folder from an earlier run must hold the same cell config (else: ConfigError)."""
+  meta = d / "cell.json"
+  if not meta.is_file():
+    return
+  old = json.loads(meta.read_text())["config"]
+  new = study_config.fingerprint(st.cell_config(cell).to_dict())
+  for k in sorted(set(old) | set(new)):
+    if old.get(k, "<absent>") != new.get(k, "<absent>"):
+      raise ConfigError(f"cell folder {str(d)!r} was run with {k}={old.get(k, '<absent>')!r}, "
+                        f"the study now says {new.get(k, '<absent>')!r}; use another --out")
+
+
+def write_cell_meta(st: Study, cell: Cell, d: pathlib.Path) -> None:
+  d.mkdir(parents=True, exist_ok=True)
+  meta = {"id": cell.id, "arm": cell.arm, "grid": dict(cell.grid), "lr": cell.lr,
+          "seed": cell.seed, "stage": cell.stage,
+          "config": study_config.fingerprint(st.cell_config(cell).to_dict())}
+  (d / "cell.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def write_result(d: pathlib.Path, result: dict) -> None:
+  tmp = d / "result.json.tmp"
+  tmp.write_text(json.dumps(report.clean(result), indent=1) + "\n")
+  os.replace(tmp, d / "result.json")
+
+
+def plan(st: Study, out: pathlib.Path) -> list[Cell]:
+  """Unfinished cells: the learning-rate search, plus the extra seeds at the best lr of every
+  condition whose search is complete."""
+  done = report.finished_ids(out)
+  todo = [c for c in st.search_cells() if c.id not in done]
+  if st.best_lr_seeds:
+    rows = report.read_rows(out)
+    for cond in dict.fromkeys(c.condition for c in st.search_cells()):
+      best = report.best_lr(st, rows, cond)
+      if best is not None:
+        todo += [c for c in st.best_lr_cells(cond[0], cond[1], best) if c.id not in done]
+  return todo
+
+
+def conditions(st: Study) -> list[tuple]:
+  return list(dict.fromkeys(c.condition for c in st.search_cells()))
+
+
+def units(st: Study, cells: list[Cell], out: pathlib.Path) -> list[list[Cell]]:
+  """Cells grouped for execution: with the vmap engine, cells of one compile group (equal
+  config up to lr and seed) and equal checkpoint step, at most ``cells_at_once`` per unit
+  (one for optimizers with periodic estimator passes); with the loop engine, one cell each."""
+  if st.engine == "loop":
+    return [[c] for c in cells]
+  groups: dict = {}
+  for c in cells:
+    cfg = st.cell_config(c)
+    k = (study_config.group_key(cfg), latest_checkpoint(cell_dir(out, c)))
+    groups.setdefault(k, []).append(c)
+  out_units = []
+  for (gk, _), cs in groups.items():
+    size = 1 if _has_estimator(st.cell_config(cs[0])) else st.cells_at_once
+    out_units += [cs[i:i + size] for i in range(0, len(cs), size)]
+  return out_units
+
+
+def _has_estimator(cfg) -> bool:
+  from scaleopt.train import bridge
+  _, spec, _ = bridge.build_optimizer(cfg.optimizer, wd_mask=None, sparse_filter=None)
+  return spec.estimator is not None
+
+
+class _Stop:
+  """The study's stop flag: a deadline (``--max-minutes``) or SIGTERM/SIGINT between cells.
+
+  While a loop-engine cell trains, ``scaleopt.train.loop`` owns SIGTERM/SIGINT (it checkpoints
+  and raises ``Interrupted``); at the deadline a timer sends this process SIGTERM, which the
+  loop turns into a clean checkpointed stop, or this handler into the flag between cells.
+  """
+
+  def __init__(self, max_minutes: Optional[float]):
+    self.deadline = time.time() + 60 * max_minutes if max_minutes else None
+    self.signal, self.expired = None, False
+    self._old, self._timer = {}, None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._old[sig] = signal.signal(sig, self._handle)
+    if self.deadline is not None:
+      self._timer = threading.Timer(max(0.0, self.deadline - time.time()), self._expire)
+      self._timer.daemon = True
+      self._timer.start()
+    return self
+
+  def _expire(self) -> None:
+    self.expired = True
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  def _handle(self, signum, _frame):
+    if not self.expired:
+      self.signal = signal.Signals(signum).name
+
+  def __call__(self) -> bool:
+    return self.signal is not None or self.expired or (
+        self.deadline is not None and time.time() >= self.deadline)
+
+  def __exit__(self, *exc):
+    if self._timer is not None:
+      self._timer.cancel()
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
+def run_unit(st: Study, cells: list[Cell], out: pathlib.Path, stop: _Stop) -> list[str]:
+  """Trains one unit; writes ``result.json`` for every finished cell; returns the statuses."""
+  from scaleopt.study import engines
+  dirs = [cell_dir(out, c) for c in cells]
+  for c, d in zip(cells, dirs):
+    check_cell_folder(st, c, d)
+    write_cell_meta(st, c, d)
+  cfgs = [st.cell_config(c) for c in cells]
+  step = latest_checkpoint(dirs[0])
+  t0 = time.time()
+  if st.engine == "vmap" and engines.single_device(cfgs[0]):
+    res = engines.run_vmapped(cfgs, dirs, step, stop, key=study_config.group_key(cfgs[0]))
+  else:
+    res = [engines.run_loop(cfg, d, step is not None or latest_checkpoint(d) is not None)
+           for cfg, d in zip(cfgs, dirs)]
+  for c, d, r in zip(cells, dirs, res):
+    if r["status"] != "interrupted":
+      write_result(d, {"id": c.id, "arm": c.arm, **dict(c.grid), "lr": c.lr, "seed": c.seed,
+                       "stage": c.stage, **r})
+  print(f"[study {st.name}] {len(cells)} cell(s) in {time.time() - t0:.0f} s: "
+        + ", ".join(f"{c.id} {r['status']} val {r.get('val_loss', math.nan):.4f}"
+                    for c, r in zip(cells, res)), flush=True)
+  return [r["status"] for r in res]
+
+
+def parse_shard(shard: Optional[str]) -> tuple[int, int]:
+  if not shard:
+    return 0, 1
+  try:
+    i, n = (int(x) for x in shard.split("/"))
+  except ValueError:
+    raise ConfigError(f"--shard {shard!r} must look like i/n (0 <= i < n)") from None
+  if not 0 <= i < n:
+    raise ConfigError(f"--shard {shard!r} must look like i/n (0 <= i < n)")
+  return i, n
+
+
+def select(st: Study, cells: list[Cell], shard: Optional[str], patterns: Optional[list[str]]
+           ) -> list[Cell]:
+  """This shard's cells (condition k of the study goes to shard k mod n) that match one of the
+  glob ``patterns`` (all when None)."""
+  si, sn = parse_shard(shard)
+  index = {c: k for k, c in enumerate(conditions(st))}
+  return [c for c in cells if index[c.condition] % sn == si and (
+      not patterns or any(fnmatch.fnmatch(c.id, p) for p in patterns))]
+
+
+def run_study(st: Study, out: pathlib.Path, *, cells: Optional[list[str]] = None,
+              max_minutes: Optional[float] = None, shard: Optional[str] = None,
+              train: bool = True) -> dict:
+  """Runs what is left of a study (this shard, matching ``cells``), then writes the report.
+
+  Returns {"ran": n, "left": n, "stopped": reason or None}.
+  """
+  parse_shard(shard)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "study.yaml").write_text(yaml.safe_dump(st.raw, sort_keys=False))
+  ran, stopped = 0, None
+  with _Stop(max_minutes) as stop:
+    while train:
+      todo = select(st, plan(st, out), shard, cells)
+      if not todo:
+        break
+      progress = False
+      for u in units(st, todo, out):
+        if stop():
+          break
+        statuses = run_unit(st, u, out, stop)
+        n_done = sum(s != "interrupted" for s in statuses)
+        ran += n_done
+        progress |= n_done > 0
+        if n_done < len(u):
+          break
+      if stop():
+        stopped = stop.signal or "deadline"
+        break
+      if not progress:
+        break
+  left = len(select(st, plan(st, out), shard, cells))
+  report.write_report(st, out)
+  return {"ran": ran, "left": left, "stopped": stopped}
+
+
+def study_main(config: str, out: str, overrides: Optional[list[str]] = None,
+               cells: Optional[list[str]] = None, max_minutes: Optional[float] = None,
+               shard: Optional[str] = None, report_only: bool = False) -> int:
+  """``scaleopt study``: 0 when done or cut by --max-minutes, 2 on a config error, 143 when
+  stopped by SIGTERM/SIGINT (everything checkpointed; rerun to continue)."""
+  from scaleopt.train.data import DataError
+  try:
+    st = study_config.load(config, overrides)
+    if max_minutes is not None and max_minutes <= 0:
+      raise ConfigError(f"--max-minutes {max_minutes} must be > 0")
+    res = run_study(st, pathlib.Path(out), cells=cells, max_minutes=max_minutes, shard=shard,
+                    train=not report_only)
+  except (ConfigError, DataError) as e:
+    print(f"config error: {e}", file=sys.stderr)
+    return EXIT_CONFIG
+  msg = f"study {st.name}: {res['ran']} cell(s) trained now, {res['left']} left"
+  if res["stopped"]:
+    msg += f" (stopped: {res['stopped']}; rerun the same command to continue)"
+  print(f"{msg}; report in {out}/summary.md")
+  return EXIT_SIGNAL if res["stopped"] in ("SIGTERM", "SIGINT") else EXIT_OK

@@ -1,0 +1,111 @@
+"""Study configs: grid expansion, overrides, one-line errors with exit code 2, sharding."""
+
+import copy
+import json
+import pathlib
+
+import pytest
+import yaml
+
+from scaleopt import cli
+from scaleopt.study import config as SC
+from scaleopt.study import runner
+from scaleopt.train.config import ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BC_TINY = ROOT / "configs" / "studies" / "bc_tiny.yaml"
+
+
+def _raw():
+  return SC.apply_overrides(yaml.safe_load(BC_TINY.read_text()), [])
+
+
+def test_bc_tiny_expands_to_2x2x2_ordinary_configs():
+  st = SC.load(BC_TINY)
+  cells = st.search_cells()
+  assert len(cells) == 8 and len({c.id for c in cells}) == 8
+  assert {(c.arm, c.lr, c.seed) for c in cells} == {
+      (a, lr, s) for a in ("adamw", "adamw_bc") for lr in (3e-3, 1e-2) for s in (0, 1)}
+  c = next(c for c in cells if c.arm == "adamw_bc" and c.lr == 1e-2 and c.seed == 1)
+  cfg = st.cell_config(c)
+  assert cfg.optimizer["name"] == "adamw_bc" and cfg.optimizer["learning_rate"] == 1e-2
+  assert cfg.optimizer["extra"] == {"mode": "full", "crossfit": "loo"}
+  assert cfg.run.seed == 1 and cfg.run.steps == 30 and cfg.model["d_model"] == 32
+  # the base file's keys survive where the study does not touch them
+  assert cfg.optimizer["weight_decay"] == 0.1 and cfg.data.source == "embedded"
+  # lr and seed cells of one arm share a compile group; arms do not
+  keys = {(c.arm, SC.group_key(st.cell_config(c))) for c in cells}
+  assert len({k for _, k in keys}) == 2
+
+
+def test_grid_per_arm_lrs_best_lr_seeds_and_overrides():
+  raw = _raw()
+  raw["arms"]["adamw_bc"]["learning_rates"] = [1e-3, 2e-3, 4e-3]
+  raw["grid"] = {"data.microbatches": [2, 4]}
+  raw["best_lr_seeds"] = [0, 1, 2, 3]
+  st = SC.from_dict(SC.apply_overrides(raw, ["run.steps=7", "seeds=[5]"]), BC_TINY)
+  cells = st.search_cells()
+  assert len(cells) == 2 * 1 * 2 + 3 * 1 * 2  # (adamw 2 lrs + bc 3 lrs) x 1 seed x 2 grid
+  assert all(st.cell_config(c).run.steps == 7 for c in cells)
+  assert {st.cell_config(c).data.microbatches for c in cells} == {2, 4}
+  extra = st.best_lr_cells("adamw", (("data.microbatches", 4),), 1e-2)
+  assert [c.seed for c in extra] == [0, 1, 2, 3] and all(c.stage == 2 for c in extra)
+  assert extra[0].id == "adamw/data.microbatches=4,lr=0.01,seed=0"
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda r: r.update(bogus=1), "bogus"),
+    (lambda r: r["arms"]["adamw_bc"].update({"optimizer.extra": {"crossfit": "nope"}}),
+     "crossfit"),
+    (lambda r: r["arms"]["adamw"].update({"lr": 1}), "arms.adamw.lr"),
+    (lambda r: r.update(learning_rates=[-1.0]), "learning_rates"),
+    (lambda r: r.update(baseline="sgd"), "baseline"),
+    (lambda r: r["train"]["run"].update(steps=0), "run.steps"),
+    (lambda r: r.update(grid={"run.seed": [1, 2]}), "grid.run.seed"),
+    (lambda r: r.update(engine={"kind": "gpu"}), "engine.kind"),
+])
+def test_config_errors_name_the_key(edit, key):
+  raw = _raw()
+  edit(raw)
+  with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+    SC.from_dict(raw, BC_TINY)
+
+
+def test_cli_config_error_is_one_line_exit_2(tmp_path, capsys):
+  rc = cli.main(["study", "--config", str(BC_TINY), "--out", str(tmp_path),
+                 "--set", "optimizer.clip_norm=-1"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert rc == 2 and len(err) == 1 and "clip_norm" in err[0], err
+  rc = cli.main(["study", "--config", str(BC_TINY), "--out", str(tmp_path), "--shard", "2/2"])
+  assert rc == 2 and "--shard" in capsys.readouterr().err
+  rc = cli.main(["study", "--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path)])
+  assert rc == 2 and "nope.yaml" in capsys.readouterr().err
+
+
+def test_changed_study_refuses_old_cell_folder(tmp_path):
+  st = SC.load(BC_TINY)
+  c = st.search_cells()[0]
+  d = runner.cell_dir(tmp_path, c)
+  runner.write_cell_meta(st, c, d)
+  runner.check_cell_folder(st, c, d)  # same config: fine
+  st2 = SC.load(BC_TINY, ["optimizer.weight_decay=0.0", "run.progress=true"])
+  with pytest.raises(ConfigError, match=r"optimizer\.weight_decay=0\.1"):
+    runner.check_cell_folder(st2, c, d)
+  st3 = SC.load(BC_TINY, ["run.progress=true", "run.checkpoint_every=3"])  # cosmetic only
+  runner.check_cell_folder(st3, c, d)
+
+
+def test_shards_split_conditions_and_cover_everything():
+  raw = _raw()
+  raw["grid"] = {"data.microbatches": [2, 4]}
+  st = SC.from_dict(raw, BC_TINY)
+  cells = st.search_cells()
+  parts = [runner.select(st, cells, f"{i}/3", None) for i in range(3)]
+  ids = [c.id for p in parts for c in p]
+  assert sorted(ids) == sorted(c.id for c in cells)  # disjoint and complete
+  for p in parts:  # a condition (arm x grid point) never straddles shards
+    for q in parts:
+      if p is not q:
+        assert not {c.condition for c in p} & {c.condition for c in q}
+  only = runner.select(st, cells, None, ["adamw_bc/*lr=0.01*"])
+  assert {c.arm for c in only} == {"adamw_bc"} and {c.lr for c in only} == {1e-2}
