@@ -273,7 +273,8 @@ def plot(st, rows: list[dict], conds: list[Condition], out: pathlib.Path) -> Non
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=6)
   fig.tight_layout()
   fig.savefig(out / "curves.png", dpi=110)
   plt.close(fig)
@@ -295,7 +296,8 @@ def plot(st, rows: list[dict], conds: list[Condition], out: pathlib.Path) -> Non
     ax.set_ylabel("final val loss")
     ax.set_title(_grid_str(g) if st.grid else st.name, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(out / "lr.png", dpi=110)
   plt.close(fig)

@@ -1,0 +1,67 @@
+"""bc_tiny end to end: interrupted, resumed, skipped when finished, and checked against an
+ordinary training run of one of its cells."""
+
+import csv
+import json
+import pathlib
+import time
+
+import pytest
+
+from scaleopt import cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BC_TINY = str(ROOT / "configs" / "studies" / "bc_tiny.yaml")
+CELL = "adamw/lr=0.01,seed=0"
+
+
+def _rows(out):
+  with (out / "results.csv").open() as fh:
+    return {r["cell"]: r for r in csv.DictReader(fh)}
+
+
+def test_bc_tiny_study(tmp_path, capsys):
+  out = tmp_path / "study"
+  t0 = time.time()
+  # A deadline that expires during the first group's first step: checkpoint and stop.
+  assert cli.main(["study", "--config", BC_TINY, "--out", str(out), "--max-minutes", "0.01"]) == 0
+  assert "0 cell(s) trained now, 8 left" in capsys.readouterr().out
+  ck = sorted((out / "cells").glob("*/*/checkpoints/*"))
+  assert ck and not list((out / "cells").glob("*/*/result.json"))
+
+  # The rerun resumes those cells from their checkpoints and finishes the study.
+  assert cli.main(["study", "--config", BC_TINY, "--out", str(out)]) == 0
+  assert "8 cell(s) trained now, 0 left" in capsys.readouterr().out
+  assert time.time() - t0 < 120
+  rows = _rows(out)
+  assert len(rows) == 8
+  for r in rows.values():
+    assert r["status"] == "ok" and int(r["steps"]) == 30 and r["card"]
+    assert float(r["val_loss"]) < 5.0 and float(r["test_loss"]) < 5.0  # below ln 256 = 5.55
+    passes = 30 * 8 * (2 if r["arm"] == "adamw_bc" else 1)  # LOO sweeps every example twice
+    assert float(r["gradient_passes"]) == passes and int(r["tokens"]) == 30 * 8 * 32
+    for k in ("lr", "seed", "train_loss", "wall_time_s", "tokens_per_s"):
+      assert r[k] != ""
+  summary = (out / "summary.md").read_text()
+  for s in ("| adamw |", "| adamw_bc |", "Student-t", "diff vs adamw", "2x",
+            "no equal-pass baseline", "Learning-rate search"):
+    assert s in summary, s
+  for png in ("curves.png", "lr.png"):
+    assert (out / png).stat().st_size > 5000
+
+  # Finished cells are skipped; the report is rebuilt from the folders.
+  (out / "results.csv").unlink()
+  assert cli.main(["study", "--config", BC_TINY, "--out", str(out)]) == 0
+  assert "0 cell(s) trained now, 0 left" in capsys.readouterr().out
+  assert _rows(out) == rows
+
+  # One cell again as an ordinary, uninterrupted training run (loop engine): the vmapped,
+  # interrupted-and-resumed cell matches it.
+  ref = tmp_path / "ref"
+  assert cli.main(["study", "--config", BC_TINY, "--out", str(ref), "--set", "engine.kind=loop",
+                   "--cells", CELL]) == 0
+  want = _rows(ref)[CELL]
+  assert want["engine"] == "loop" and rows[CELL]["engine"] == "vmap"
+  for k in ("val_loss", "test_loss", "train_loss"):
+    assert float(rows[CELL][k]) == pytest.approx(float(want[k]), rel=1e-4), k
+  assert json.loads((ref / "cells" / CELL / "summary.json").read_text())["resumed_from"] is None
