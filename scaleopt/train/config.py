@@ -48,6 +48,8 @@ class RunConfig:
   tensorboard: bool = True
   plot: bool = True  # loss-curve PNG at the end
   peak_flops: Optional[float] = None  # per device; None: looked up from the device kind
+  wandb: Optional[dict] = None  # {project, entity, name, group, tags, notes, mode}: W&B on
+  profile: Optional[dict] = None  # {start_step, steps}: jax.profiler trace in RUN_DIR/profile
 
 
 @dataclasses.dataclass

@@ -122,6 +122,7 @@ class Setup:
 def setup(cfg: TrainConfig) -> Setup:
   """Builds data, model, optimizer and mesh; every user error surfaces here."""
   mesh_lib.maybe_initialize_distributed(cfg.mesh.distributed)
+  metrics.check_outputs(cfg.run.wandb, cfg.run.profile)
   model = bridge.make_model(cfg.model)
   if model.init_from:
     try:
@@ -270,7 +271,9 @@ def train(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False,
       state = fns.init()
   step0 = int(jax.device_get(state.step))
   log = metrics.MetricsLog(out, resume_step=step0 if start is not None else None,
-                           tensorboard=r.tensorboard, enabled=is_main)
+                           tensorboard=r.tensorboard, enabled=is_main, wandb=r.wandb,
+                           config=cfg.to_dict())
+  prof = metrics.Profile(out / "profile", r.profile)
 
   tokens_per_step = groups * d.batch_size * d.seq_len  # distinct tokens (rolling-B: new A)
   flops_per_token = models.flops_per_token(s.model.cfg, d.seq_len) * bridge.passes_per_step(s.spec)
@@ -293,8 +296,10 @@ def train(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False,
   with _Signals() as sig:
     for t in range(step0, r.steps):
       batch = {k: _put(fns.batch_sh, v, batch_shape) for k, v in it.next().items()}
+      prof.before(t)
       state, m = fns.train_step(state, batch)
       done = t + 1
+      prof.after(done, m["loss"])
       if meter.compile_s is None:
         jax.block_until_ready(m["loss"])
         meter.first_step_done(done)
@@ -334,6 +339,7 @@ def train(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False,
         ckpt.save(done, state, it.state())
   if bar is not None:
     bar.close()
+  prof.close(state.step)
   if done == step0:  # nothing left to train (resuming a finished run)
     eval_loss = evaluate(state.params)
   ckpt.save(done, state, it.state())  # always: the final / last good / interrupted state

@@ -1,12 +1,15 @@
-"""Run outputs: metrics.jsonl, summary.json, TensorBoard event files, the loss-curve PNG.
+"""Run outputs: metrics.jsonl, summary.json, TensorBoard, W&B, profiles, the loss-curve PNG.
 
-The TensorBoard writer needs no TensorFlow: an event file is a sequence of records
-
-  uint64 length | uint32 masked_crc32c(length) | data (an ``Event`` protobuf) | uint32 masked_crc32c(data)
-
-with ``masked(c) = ((c >> 15 | c << 17) + 0xa282ead8) mod 2^32``; the few protobuf fields
-used (Event.wall_time=1 double, step=2 int64, file_version=3 string, summary=5; Summary.value=1;
-Value.tag=1 string, simple_value=2 float) are encoded by hand below.
+* ``metrics.jsonl``: one JSON object per logged step; on resume it is truncated to the restored
+  step, so every step appears once.
+* TensorBoard: scalars through ``tensorboardX.SummaryWriter`` into ``RUN_DIR/tb``. A resumed
+  run opens its writer with ``purge_step = restored step + 1``: TensorBoard then hides the
+  events the killed run wrote after its last checkpoint, so those steps are not shown twice.
+* W&B (``run.wandb: {project: ..., ...}``, only if the ``wandb`` package is installed): the
+  same rows via ``wandb.log(row, step=step)``; the W&B run id is kept in ``RUN_DIR/wandb_id``
+  so a resumed run continues the same W&B run.
+* Profiles (``run.profile: {start_step: S, steps: K}``): a ``jax.profiler`` trace of the K steps
+  after step S in ``RUN_DIR/profile`` (open with TensorBoard's profile plugin or XProf).
 """
 
 from __future__ import annotations
@@ -15,117 +18,119 @@ import json
 import math
 import os
 import pathlib
-import socket
-import struct
 import time
-from typing import Optional
+from typing import Any, Optional
 
-# ---------------------------------------------------------------------------------------------
-# CRC-32C (Castagnoli), table driven.
+import jax
 
-_POLY = 0x82F63B78
-_TABLE = []
-for _i in range(256):
-  _c = _i
-  for _ in range(8):
-    _c = (_c >> 1) ^ _POLY if _c & 1 else _c >> 1
-  _TABLE.append(_c)
+from scaleopt.train.config import ConfigError
+
+WANDB_KEYS = ("project", "entity", "name", "group", "tags", "notes", "mode")
+PROFILE_KEYS = ("start_step", "steps")
 
 
-def crc32c(data: bytes) -> int:
-  c = 0xFFFFFFFF
-  t = _TABLE
-  for b in data:
-    c = t[(c ^ b) & 0xFF] ^ (c >> 8)
-  return c ^ 0xFFFFFFFF
+class OutputConfigError(ConfigError):
+  """``run.wandb`` / ``run.profile`` is wrong or unusable; the message names the key."""
 
 
-def masked_crc32c(data: bytes) -> int:
-  c = crc32c(data)
-  return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-# ---------------------------------------------------------------------------------------------
-# Minimal protobuf encoding.
-
-
-def _varint(n: int) -> bytes:
-  out = bytearray()
-  n &= (1 << 64) - 1
-  while True:
-    b = n & 0x7F
-    n >>= 7
-    if n:
-      out.append(b | 0x80)
-    else:
-      out.append(b)
-      return bytes(out)
-
-
-def _key(field: int, wire: int) -> bytes:
-  return _varint(field << 3 | wire)
-
-
-def _bytes_field(field: int, data: bytes) -> bytes:
-  return _key(field, 2) + _varint(len(data)) + data
-
-
-def _event(wall_time: float, step: int, *, file_version: Optional[str] = None,
-           scalars: Optional[dict] = None) -> bytes:
-  out = _key(1, 1) + struct.pack("<d", wall_time) + _key(2, 0) + _varint(step)
-  if file_version is not None:
-    out += _bytes_field(3, file_version.encode())
-  if scalars:
-    summary = b"".join(
-        _bytes_field(1, _bytes_field(1, tag.encode()) + _key(2, 5) + struct.pack("<f", v))
-        for tag, v in scalars.items())
-    out += _bytes_field(5, summary)
-  return out
-
-
-def _record(data: bytes) -> bytes:
-  n = struct.pack("<Q", len(data))
-  return n + struct.pack("<I", masked_crc32c(n)) + data + struct.pack("<I", masked_crc32c(data))
+def _scalars(values: dict) -> dict:
+  return {k: float(v) for k, v in values.items() if isinstance(v, (int, float))
+          and not isinstance(v, bool) and math.isfinite(float(v))}
 
 
 class TBWriter:
-  """Appends scalar summaries to ``DIR/events.out.tfevents.<time>.<host>``."""
+  """Scalar summaries through ``tensorboardX`` (``purge_step``: see the module docstring)."""
 
-  def __init__(self, directory: str | pathlib.Path):
-    d = pathlib.Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    self.path = d / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
-    self._f = open(self.path, "ab")
-    self._f.write(_record(_event(time.time(), 0, file_version="brain.Event:2")))
+  def __init__(self, directory: str | pathlib.Path, purge_step: Optional[int] = None):
+    from tensorboardX import SummaryWriter
+    self.dir = pathlib.Path(directory)
+    # a fresh file per writer (tensorboardX names files by the second): readers order them
+    # by name, so a resumed run's events come after the killed run's
+    self._w = SummaryWriter(logdir=str(self.dir), purge_step=purge_step, flush_secs=30,
+                            filename_suffix=f".{time.time_ns()}.{os.getpid()}")
 
   def scalars(self, step: int, values: dict) -> None:
-    vals = {k: float(v) for k, v in values.items() if isinstance(v, (int, float))
-            and not isinstance(v, bool) and math.isfinite(float(v))}
-    if vals:
-      self._f.write(_record(_event(time.time(), step, scalars=vals)))
+    for tag, v in _scalars(values).items():
+      self._w.add_scalar(tag, v, global_step=step)
 
   def flush(self) -> None:
-    self._f.flush()
+    self._w.flush()
 
   def close(self) -> None:
-    self._f.close()
+    self._w.close()
 
 
-def read_events(path: str | pathlib.Path) -> list[bytes]:
-  """Record payloads of an event file, checking both CRCs (for tests and tools)."""
-  data = pathlib.Path(path).read_bytes()
-  out, i = [], 0
-  while i < len(data):
-    head = data[i:i + 8]
-    (n,) = struct.unpack("<Q", head)
-    if struct.unpack("<I", data[i + 8:i + 12])[0] != masked_crc32c(head):
-      raise ValueError(f"{path}: bad length crc at byte {i}")
-    payload = data[i + 12:i + 12 + n]
-    if struct.unpack("<I", data[i + 12 + n:i + 16 + n])[0] != masked_crc32c(payload):
-      raise ValueError(f"{path}: bad data crc at byte {i}")
-    out.append(payload)
-    i += 16 + n
-  return out
+def check_outputs(wandb: Optional[dict], profile: Optional[dict]) -> None:
+  """Validates ``run.wandb`` and ``run.profile`` before anything compiles."""
+  if wandb is not None:
+    bad = [k for k in wandb if k not in WANDB_KEYS]
+    if bad:
+      raise OutputConfigError(f"unknown config key 'run.wandb.{bad[0]}'; allowed: "
+                              f"{list(WANDB_KEYS)}")
+    try:
+      import wandb as _  # noqa: F401
+    except ImportError:
+      raise OutputConfigError("run.wandb is set but the wandb package is not installed "
+                              "(pip install wandb, or remove run.wandb)") from None
+  if profile is not None:
+    if sorted(profile) != sorted(PROFILE_KEYS) or not all(
+        isinstance(profile[k], int) and not isinstance(profile[k], bool) for k in PROFILE_KEYS):
+      raise OutputConfigError(f"config key 'run.profile'={profile!r} must be "
+                              "{start_step: int >= 0, steps: int >= 1}")
+    if profile["start_step"] < 0 or profile["steps"] < 1:
+      raise OutputConfigError(f"config key 'run.profile'={profile!r}: start_step must be >= 0 "
+                              "and steps >= 1")
+
+
+class WandbWriter:
+  """Rows to Weights & Biases; the run id lives in ``RUN_DIR/wandb_id`` for resumes."""
+
+  def __init__(self, out_dir: pathlib.Path, settings: dict, config: dict, resume: bool):
+    import wandb
+    id_file = out_dir / "wandb_id"
+    run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
+    self._wandb = wandb
+    self.run = wandb.init(dir=str(out_dir), config=config, id=run_id,
+                          resume="allow" if run_id else None, **settings)
+    id_file.write_text(str(self.run.id))
+
+  def scalars(self, step: int, values: dict) -> None:
+    self.run.log(_scalars(values), step=step)
+
+  def close(self) -> None:
+    self.run.finish()
+
+
+class Profile:
+  """A ``jax.profiler`` trace of steps ``start_step + 1 .. start_step + steps``.
+
+  Call ``before(t)`` before running the step that completes step ``t + 1`` and ``after(done,
+  x)`` after it (``x``: an output of the step, waited on before the trace stops). A run
+  resumed past ``start_step`` takes no profile.
+  """
+
+  def __init__(self, directory: pathlib.Path, settings: Optional[dict]):
+    """``settings``: ``run.profile`` (None: no profile)."""
+    s = settings or {"start_step": None, "steps": 0}
+    self.dir, self.start = directory, s["start_step"]
+    self.stop = None if self.start is None else self.start + s["steps"]
+    self.active = False
+
+  def before(self, t: int) -> None:
+    if t == self.start and not self.active:
+      self.dir.mkdir(parents=True, exist_ok=True)
+      jax.profiler.start_trace(str(self.dir))
+      self.active = True
+
+  def after(self, done: int, x: Any) -> None:
+    if self.active and done >= self.stop:
+      self.close(x)
+
+  def close(self, x: Any = None) -> None:
+    if self.active:
+      jax.block_until_ready(x)
+      jax.profiler.stop_trace()
+      self.active = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,14 +144,20 @@ def _clean(v):
 
 
 class MetricsLog:
-  """``metrics.jsonl`` (one object per logged step) plus TensorBoard scalars."""
+  """``metrics.jsonl`` (one object per logged step) plus TensorBoard and W&B scalars.
+
+  ``resume_step``: the restored step of a resumed run (rows after it are dropped from the
+  JSONL file and purged from TensorBoard's view); ``wandb``: the ``run.wandb`` settings.
+  """
 
   def __init__(self, out_dir: pathlib.Path, *, resume_step: Optional[int] = None,
-               tensorboard: bool = True, enabled: bool = True):
+               tensorboard: bool = True, enabled: bool = True, wandb: Optional[dict] = None,
+               config: Optional[dict] = None):
     self.path = out_dir / "metrics.jsonl"
     self.enabled = enabled
+    self.tb = self.wandb = None
     if not enabled:
-      self._f, self.tb = None, None
+      self._f = None
       return
     if resume_step is not None and self.path.exists():  # drop what the restored state undid
       keep = [l for l in self.path.read_text().splitlines()
@@ -155,14 +166,20 @@ class MetricsLog:
     elif resume_step is None and self.path.exists():
       self.path.unlink()
     self._f = open(self.path, "a")
-    self.tb = TBWriter(out_dir / "tb") if tensorboard else None
+    if tensorboard:
+      self.tb = TBWriter(out_dir / "tb",
+                         purge_step=None if resume_step is None else resume_step + 1)
+    if wandb is not None:
+      self.wandb = WandbWriter(out_dir, wandb, config or {}, resume=resume_step is not None)
 
   def write(self, row: dict) -> None:
     if not self.enabled:
       return
     self._f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
-    if self.tb is not None:
-      self.tb.scalars(int(row["step"]), {k: v for k, v in row.items() if k != "step"})
+    values = {k: v for k, v in row.items() if k != "step"}
+    for w in (self.tb, self.wandb):
+      if w is not None:
+        w.scalars(int(row["step"]), values)
 
   def flush(self) -> None:
     if self.enabled:
@@ -173,8 +190,9 @@ class MetricsLog:
   def close(self) -> None:
     if self.enabled:
       self._f.close()
-      if self.tb is not None:
-        self.tb.close()
+      for w in (self.tb, self.wandb):
+        if w is not None:
+          w.close()
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:
