@@ -54,11 +54,19 @@ class Source:
   hf_dir: Optional[pathlib.Path] = None  # where config.json / tokenizer files come from
 
 
-def _run_model_config(run_dir: pathlib.Path) -> models.ModelConfig:
+def _run_source(ckpt: pathlib.Path, run_dir: pathlib.Path) -> Source:
+  """A checkpoint of a run: the model from the run's config.yaml; config.json and tokenizer
+  files from its ``model.init_from`` when that was a Hugging Face or converted directory."""
   from scaleopt.train.bridge import model_config
   section = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("model") or {}
-  return model_config({k: v for k, v in section.items()
-                       if k not in ("wd_policy", "init_from")})
+  cfg = model_config({k: v for k, v in section.items() if k not in ("wd_policy", "init_from")})
+  hf_dir = None
+  if section.get("init_from"):
+    try:
+      hf_dir = open_source(section["init_from"]).hf_dir
+    except SourceError:
+      pass  # moved or deleted since: export without its config.json and tokenizer files
+  return Source("checkpoint", ckpt, cfg, hf_dir)
 
 
 def _checkpoint_dir(path: pathlib.Path, step: Optional[int]) -> pathlib.Path:
@@ -85,9 +93,9 @@ def open_source(path: str | pathlib.Path, step: Optional[int] = None) -> Source:
     if (p / "config.json").is_file() and list(p.glob("*.safetensors")):
       return Source("hf", p, hf.config_from_hf(json.loads((p / "config.json").read_text())), p)
     if (p / "config.yaml").is_file() and (p / "checkpoints").is_dir():
-      return Source("checkpoint", _checkpoint_dir(p, step), _run_model_config(p))
+      return _run_source(_checkpoint_dir(p, step), p)
     if (p / "state").is_dir() and (p.parent.parent / "config.yaml").is_file():
-      return Source("checkpoint", p, _run_model_config(p.parent.parent))
+      return _run_source(p, p.parent.parent)
   except (ValueError, TypeError, KeyError, OSError) as e:
     raise SourceError(f"parameter source {str(p)!r} cannot be read: {e}") from None
   raise SourceError(f"parameter source {str(p)!r} is none of: a Hugging Face directory "

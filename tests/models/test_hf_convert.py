@@ -138,6 +138,8 @@ def test_fine_tune_from_hf_weights_with_adamw_bc_then_export(tmp_path, capsys):
   a, b = load_file(str(FIX / "qwen2" / "model.safetensors")), load_file(
       str(tmp_path / "hf_out" / "model.safetensors"))
   assert sorted(a) == sorted(b)
+  # the run started from a Hugging Face directory: its config.json is the base of the export
+  assert "transformers_version" in json.loads((tmp_path / "hf_out" / "config.json").read_text())
   delta = max(float(np.abs(a[k] - b[k]).max()) for k in a)
   # started from the checkpoint (a fresh init would be O(1) away) and moved by ~lr per step
   assert 0 < delta < 3 * 10 * 1e-3, delta
