@@ -5,10 +5,13 @@ A sweep config has five sections (see `configs/sweeps/paper.yaml` for a document
   problem    the random-feature regression family (spectrum convention, s grid, M, N grid, ...)
   train      step budget T, learning-rate policy
   optimizers name -> {kind, hyper-parameters}; a list-valued hyper-parameter is a grid axis
-  fit        N range, excess loss, bootstrap draws and level, baseline optimizer
+  fit        N range, excess loss, interval method, bootstrap resamples and level, baseline
+             optimizer, sliding-window width of the fit-window report
   compute    float64, problems per jitted call, devices
 
-Every error names the offending key and its allowed values.
+Every error names the offending key and its allowed values. `problem.seeds` is the number K
+of independent problem draws (the clusters the intervals resample); K = 1 is an error, K = 2 is
+allowed with a loud warning at run time (its t interval has one degree of freedom and is wide).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import pathlib
 from typing import Any, Sequence
 
 import yaml
+
+from scaleopt.scaling.fit import INTERVAL_METHODS
 
 SPECTRA = ("zipf", "mrs")
 FEATURE_MAPS = ("linear", "relu", "tanh")
@@ -68,7 +73,7 @@ DEFAULTS: dict[str, Any] = {
     "train": {"steps": 10, "lr_policy": "best", "transfer_n": 256},
     "optimizers": {"gd": {}, "ng": {}},
     "fit": {"n_min": None, "n_max": None, "excess": True, "bootstrap": 1000, "ci": 0.95,
-            "baseline": "gd", "steps": None},
+            "baseline": "gd", "steps": None, "interval": "cluster_t", "window": 3},
     "compute": {"x64": True, "chunk": 0, "devices": 1, "progress": True, "blas_threads": 1,
                 "n_layout": "sliced"},
 }
@@ -121,7 +126,10 @@ def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
       if not isinstance(node[p], dict):
         raise ConfigError(f"override {key!r}: {p!r} is not a section")
       node = node[p]
-    node[parts[-1]] = yaml.safe_load(value)
+    try:
+      node[parts[-1]] = yaml.safe_load(value)
+    except yaml.YAMLError:
+      raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
   return raw
 
 
@@ -142,6 +150,30 @@ def _num_list(value: Any, key: str, cast=float, positive: bool = True) -> list:
   if positive and any(v <= 0 for v in out):
     raise ConfigError(f"{key} = {value!r}: values must be > 0")
   return out
+
+
+def _int(value: Any, key: str, minimum: int | None = None) -> int:
+  """An integer (an integer-valued float such as 16.0 is accepted; 16.9, True, '16' are not)."""
+  ok = isinstance(value, int) and not isinstance(value, bool)
+  if isinstance(value, float) and value.is_integer():
+    value, ok = int(value), True
+  if not ok:
+    raise ConfigError(f"{key} = {value!r}: expected an integer")
+  if minimum is not None and value < minimum:
+    raise ConfigError(f"{key} = {value!r}: must be an integer >= {minimum}")
+  return int(value)
+
+
+def _int_list(value: Any, key: str, minimum: int = 1) -> list[int]:
+  """Distinct integers >= minimum, sorted; duplicates are an error (they would count twice)."""
+  vals = value if isinstance(value, (list, tuple)) else [value]
+  if not vals:
+    raise ConfigError(f"{key}: expected at least one value")
+  out = [_int(v, key, minimum) for v in vals]
+  dup = sorted({v for v in out if out.count(v) > 1})
+  if dup:
+    raise ConfigError(f"{key} = {value!r}: duplicate value(s) {', '.join(map(str, dup))}")
+  return sorted(out)
 
 
 def _check_keys(section: dict, allowed: Sequence[str], where: str) -> None:
@@ -182,30 +214,37 @@ def parse_optimizers(raw: dict) -> list[OptimizerSpec]:
 def validate(cfg: dict) -> dict:
   """Check every section; returns the config with types normalised. Raises ConfigError."""
   _check_keys(cfg, list(DEFAULTS), "config")
+  for section in ("problem", "train", "fit", "compute"):
+    if not isinstance(cfg[section], dict):
+      raise ConfigError(f"{section} = {cfg[section]!r}: expected a mapping of keys")
   p = cfg["problem"]
   _check_keys(p, list(DEFAULTS["problem"]), "problem")
   _choice(p["spectrum"], "problem.spectrum", SPECTRA)
   _choice(p["feature_map"], "problem.feature_map", FEATURE_MAPS)
   _choice(p["teacher"], "problem.teacher", TEACHERS)
   p["s"] = _num_list(p["s"], "problem.s")
-  p["n_features"] = sorted(_num_list(p["n_features"], "problem.n_features", cast=int))
-  for k in ("latent_dim", "d_out", "seeds", "n_test"):
-    p[k] = _num_list(p[k], f"problem.{k}", cast=int)[0]
+  p["n_features"] = _int_list(p["n_features"], "problem.n_features")
+  for k in ("latent_dim", "d_out", "n_test"):
+    p[k] = _int(p[k], f"problem.{k}", 1)
+  p["seeds"] = _int(p["seeds"], "problem.seeds", 1)
+  if p["seeds"] < 2:
+    raise ConfigError(f"problem.seeds = {p['seeds']}: need at least 2 independent problem draws "
+                      "for an interval (3 or more recommended)")
   if p["n_train"] is not None:
-    p["n_train"] = _num_list(p["n_train"], "problem.n_train", cast=int)[0]
+    p["n_train"] = _int(p["n_train"], "problem.n_train", 1)
   p["noise"] = float(p["noise"])
   if p["noise"] < 0:
     raise ConfigError(f"problem.noise = {p['noise']}: must be >= 0")
   p["teacher_beta"] = float(p["teacher_beta"])
-  p["seed"] = int(p["seed"])
+  p["seed"] = _int(p["seed"], "problem.seed", 0)
   if max(p["n_features"]) > p["latent_dim"] and p["feature_map"] == "linear":
     raise ConfigError(f"problem.n_features: max {max(p['n_features'])} exceeds "
                       f"problem.latent_dim = {p['latent_dim']} (linear features have rank <= M)")
   t = cfg["train"]
   _check_keys(t, list(DEFAULTS["train"]), "train")
-  t["steps"] = _num_list(t["steps"], "train.steps", cast=int)[0]
+  t["steps"] = _int(t["steps"], "train.steps", 1)
   _choice(t["lr_policy"], "train.lr_policy", LR_POLICIES)
-  t["transfer_n"] = _num_list(t["transfer_n"], "train.transfer_n", cast=int)[0]
+  t["transfer_n"] = _int(t["transfer_n"], "train.transfer_n", 1)
   if t["lr_policy"] == "transfer" and t["transfer_n"] not in p["n_features"]:
     raise ConfigError(f"train.transfer_n = {t['transfer_n']}: allowed values are the "
                       f"problem.n_features {p['n_features']}")
@@ -214,27 +253,42 @@ def validate(cfg: dict) -> dict:
   _check_keys(f, list(DEFAULTS["fit"]), "fit")
   names = [s.name for s in specs]
   _choice(f["baseline"], "fit.baseline", names)
-  f["n_min"] = min(p["n_features"]) if f["n_min"] is None else int(f["n_min"])
-  f["n_max"] = max(p["n_features"]) if f["n_max"] is None else int(f["n_max"])
+  f["n_min"] = min(p["n_features"]) if f["n_min"] is None else _int(f["n_min"], "fit.n_min", 1)
+  f["n_max"] = max(p["n_features"]) if f["n_max"] is None else _int(f["n_max"], "fit.n_max", 1)
   in_range = [n for n in p["n_features"] if f["n_min"] <= n <= f["n_max"]]
   if len(in_range) < 2:
     raise ConfigError(f"fit.n_min/fit.n_max = {f['n_min']}/{f['n_max']}: need at least two of "
                       f"problem.n_features {p['n_features']} inside the range")
-  f["steps"] = t["steps"] if f["steps"] is None else int(f["steps"])
+  f["steps"] = t["steps"] if f["steps"] is None else _int(f["steps"], "fit.steps")
   if not 1 <= f["steps"] <= t["steps"]:
     raise ConfigError(f"fit.steps = {f['steps']}: allowed values are 1..train.steps "
                       f"({t['steps']})")
-  f["bootstrap"] = int(f["bootstrap"])
-  f["ci"] = float(f["ci"])
+  f["bootstrap"] = _int(f["bootstrap"], "fit.bootstrap", 2)
+  _choice(f["interval"], "fit.interval", INTERVAL_METHODS)
+  f["window"] = _int(f["window"], "fit.window", 2)
+  f["ci"] = _num_list(f["ci"], "fit.ci")[0]
   if not 0 < f["ci"] < 1:
     raise ConfigError(f"fit.ci = {f['ci']}: must be in (0, 1)")
   c = cfg["compute"]
   _check_keys(c, list(DEFAULTS["compute"]), "compute")
-  c["chunk"] = int(c["chunk"])
-  c["devices"] = int(c["devices"])
-  c["blas_threads"] = int(c["blas_threads"] or 0)
+  c["chunk"] = _int(c["chunk"], "compute.chunk", 0)
+  c["devices"] = _int(c["devices"], "compute.devices", 1)
+  c["blas_threads"] = _int(c["blas_threads"] or 0, "compute.blas_threads", 0)
   _choice(c["n_layout"], "compute.n_layout", N_LAYOUTS)
   return cfg
+
+
+def _read_yaml(path: pathlib.Path) -> Any:
+  """Parse a YAML file; a syntax error becomes one ConfigError line with its position."""
+  try:
+    return yaml.safe_load(path.read_text()) or {}
+  except yaml.YAMLError as e:
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    raise ConfigError(f"config file {path}: YAML syntax error{where}: {what}") from None
+  except (OSError, UnicodeDecodeError) as e:
+    raise ConfigError(f"config file {path}: cannot read ({e.__class__.__name__}: {e})") from None
 
 
 def load_config(path: str | pathlib.Path | dict | None = None,
@@ -248,7 +302,12 @@ def load_config(path: str | pathlib.Path | dict | None = None,
     path = pathlib.Path(path)
     if not path.exists():
       raise ConfigError(f"config file {path} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
+    if path.is_dir():
+      raise ConfigError(f"config file {path} is a directory")
+    raw = _read_yaml(path)
+  if not isinstance(raw, dict):
+    raise ConfigError(f"config {path}: expected a mapping of sections, got "
+                      f"{type(raw).__name__}")
   raw = apply_overrides(raw, overrides)
   if "optimizers" in raw and not isinstance(raw["optimizers"], dict):
     raise ConfigError("optimizers: expected a mapping name -> settings")

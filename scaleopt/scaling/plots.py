@@ -1,4 +1,4 @@
-"""PNG plots of a sweep: loss vs N per (optimizer, s), alpha vs s, and the theory overlay."""
+"""PNG plots of a sweep: loss vs N, alpha vs s with the theory overlay, the fit-window report."""
 
 from __future__ import annotations
 
@@ -53,8 +53,11 @@ def plot_alpha_vs_s(alpha_rows: Sequence[dict], path: pathlib.Path,
     a1.errorbar(s, a, yerr=[np.clip(a - lo, 0, None), np.clip(hi - a, 0, None)], marker="o",
                 capsize=3, label=nm)
     a2.plot(s, [r.get("shift", np.nan) for r in pts], marker="o", label=nm)
+  colour = {nm: f"C{i}" for i, nm in enumerate(names)}
   for nm, (s, a) in (theory or {}).items():
-    a1.plot(s, a, ls="--", color="gray", label=nm)
+    base = nm.split(" (")[0]
+    a1.plot(s, a, ls="--" if base in colour else ":", color=colour.get(base, "gray"), lw=1,
+            label=nm)
   a1.set_xlabel("s")
   a1.set_ylabel("fitted alpha")
   a1.legend(fontsize=8)
@@ -85,9 +88,64 @@ def plot_theory_overlay(n: np.ndarray, sim: dict[str, np.ndarray], theory: dict[
   plt.close(fig)
 
 
+def plot_window(alpha_rows: Sequence[dict], path: pathlib.Path) -> None:
+  """One panel per s: alpha fitted on each sliding window of N (markers, at the window's
+  geometric centre) against the full-range alpha and its interval (line and band)."""
+  svals = sorted({r["s"] for r in alpha_rows})
+  names = list(dict.fromkeys(r["optimizer"] for r in alpha_rows))
+  keys = [k for k in alpha_rows[0] if k.startswith("slope_")]
+  centre = np.array([np.sqrt(float(k.split("_")[1]) * float(k.split("_")[2])) for k in keys])
+  cols = min(3, len(svals))
+  rows = -(-len(svals) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+  for ax, s in zip(axes.flat, svals):
+    for i, nm in enumerate(names):
+      r = next(r for r in alpha_rows if r["s"] == s and r["optimizer"] == nm)
+      ax.plot(centre, [r[k] for k in keys], "o-", color=f"C{i}", ms=3, label=nm)
+      ax.axhline(r["alpha"], color=f"C{i}", lw=0.8, ls="--")
+      if np.isfinite([r["ci_low"], r["ci_high"]]).all():
+        ax.axhspan(r["ci_low"], r["ci_high"], color=f"C{i}", alpha=0.12)
+    ax.set_xscale("log")
+    ax.set_title(f"s = {s:g}")
+    ax.set_xlabel("N (centre of the sliding window)")
+    ax.set_ylabel("local alpha")
+  for ax in list(axes.flat)[len(svals):]:
+    ax.axis("off")
+  axes.flat[0].legend(fontsize=8)
+  fig.suptitle("local slopes over sliding windows of N; dashed + band: fitted alpha and interval",
+               fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def theory_curves(cfg: dict, points: int = 13) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """Mode-counting alpha(s) for the sweep's gd / kron_sqrt / ng optimizers (same T, fit window,
+  lr grid and damping) and the converged exponent; empty unless the teacher is isotropic."""
+  from scaleopt.scaling import config as config_lib
+  from scaleopt.scaling import theory
+
+  p, f = cfg["problem"], cfg["fit"]
+  if p["teacher"] != "isotropic":
+    return {}
+  svals = np.linspace(min(p["s"]), max(p["s"]), points) if len(p["s"]) > 1 else np.asarray(p["s"])
+  n = np.asarray([v for v in p["n_features"] if f["n_min"] <= v <= f["n_max"]])
+  out = {}
+  for o in config_lib.parse_optimizers(cfg["optimizers"]):
+    if o.kind not in ("gd", "kron_sqrt", "ng") or o.fixed.get("lr_scale") != "curvature":
+      continue
+    lrs = sorted({g["lr"] for g in o.grid})
+    damping = min(g.get("damping", 0.0) for g in o.grid)
+    out[f"{o.name} (mode counting)"] = (svals, theory.mode_counting_alpha(
+        svals, n, f["steps"], o.kind, p["latent_dim"], p["spectrum"], lrs, damping))
+  out["converged"] = (svals, theory.converged_alpha(svals, p["spectrum"]))
+  return out
+
+
 def plot_all(res, alpha_rows: Sequence[dict], loss_rows: Sequence[dict],
              out: pathlib.Path) -> None:
-  """Loss-vs-N and alpha-vs-s plots for one sweep (the files the CLI writes)."""
+  """Loss-vs-N, alpha-vs-s (with the theory overlay) and the window plot for one sweep."""
   steps = res.cfg["fit"]["steps"]
   plot_loss_vs_n([r for r in loss_rows if r["steps"] == steps], out / "loss_vs_n.png")
-  plot_alpha_vs_s(alpha_rows, out / "alpha_vs_s.png")
+  plot_alpha_vs_s(alpha_rows, out / "alpha_vs_s.png", theory=theory_curves(res.cfg))
+  plot_window(alpha_rows, out / "window.png")

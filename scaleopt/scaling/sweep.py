@@ -23,7 +23,9 @@ import dataclasses
 import functools
 import json
 import pathlib
+import sys
 import time
+import warnings
 from typing import Sequence
 
 import jax
@@ -35,6 +37,14 @@ from scaleopt.scaling import config as config_lib
 from scaleopt.scaling import fit as fit_lib
 from scaleopt.scaling import optimizers as opt_lib
 from scaleopt.scaling import problem as prob_lib
+
+
+class SmallSampleWarning(UserWarning):
+  """Fewer than 3 independent problem draws: the intervals are honest but very wide."""
+
+
+class FitWindowWarning(UserWarning):
+  """Dropping the smallest or largest fitted N moves alpha by more than its interval."""
 
 
 @dataclasses.dataclass
@@ -159,6 +169,11 @@ def run_sweep(cfg: dict, progress: bool | None = None) -> SweepResult:
   chunk = -(-chunk // n_dev) * n_dev
   n_prob = len(s_grid) * n_seeds
   n_chunks = -(-n_prob // chunk)
+  if n_seeds < 3:
+    warnings.warn(f"problem.seeds = {n_seeds}: only {n_seeds} independent problem draws; the "
+                  f"{cfg['fit']['ci']:.0%} intervals use a t quantile with {n_seeds - 1} degree(s) "
+                  "of freedom and are very wide (use 4 or more draws)", SmallSampleWarning,
+                  stacklevel=2)
 
   with jax.enable_x64(bool(c["x64"])), blas.limit_blas_threads(c["blas_threads"]):
     dt = jnp.result_type(float)
@@ -235,11 +250,31 @@ def _single_jit(s, key, hyper, *, spec, kind, fixed, n, steps):
 
 # ----------------------------------------------------------------------------- summaries
 
+ALPHA_COLUMNS = ["s", "optimizer", "alpha", "ci_low", "ci_high", "shift", "interval_method",
+                 "se", "draws", "alpha_drop_first", "alpha_drop_last", "alpha_win_min",
+                 "alpha_win_max", "window_shift", "window_ratio"]
+
+
+def _window_columns(fa: fit_lib.AlphaFit, n: np.ndarray, in_fit: np.ndarray,
+                    width: int) -> dict:
+  """The fit-window report of one alpha as alpha.csv columns (fit.window_report)."""
+  wr = fit_lib.window_report(n, fa.mean_loss, in_fit, width)
+  shift = np.nanmax(np.abs(np.asarray([wr.alpha_drop_first, wr.alpha_drop_last]) - fa.alpha)) \
+      if np.isfinite([wr.alpha_drop_first, wr.alpha_drop_last]).any() else np.nan
+  half = 0.5 * (fa.ci_high - fa.ci_low)
+  out = {"alpha_drop_first": wr.alpha_drop_first, "alpha_drop_last": wr.alpha_drop_last,
+         "alpha_win_min": wr.alpha_win_min, "alpha_win_max": wr.alpha_win_max,
+         "window_shift": float(shift),
+         "window_ratio": float(shift / half) if half > 0 else np.nan}
+  out.update({f"slope_{a}_{b}": float(v) for (a, b), v in zip(wr.windows, wr.slopes)})
+  return out
+
+
 def summarize(res: SweepResult, steps: int | None = None, n_min: int | None = None,
               n_max: int | None = None, policy: str | None = None,
-              excess: bool | None = None, bootstrap: int | None = None
-              ) -> tuple[list[dict], list[dict]]:
-  """alpha rows (s, optimizer, alpha, ci_low, ci_high, shift) and per-point loss rows.
+              excess: bool | None = None, bootstrap: int | None = None,
+              interval: str | None = None) -> tuple[list[dict], list[dict]]:
+  """alpha rows (ALPHA_COLUMNS + `slope_<N_a>_<N_b>` sliding-window slopes) and loss rows.
 
   Every argument defaults to the config's `fit`/`train` section; pass one to re-analyse the
   same raw losses (e.g. a smaller step budget: losses are stored after every step).
@@ -251,6 +286,7 @@ def summarize(res: SweepResult, steps: int | None = None, n_min: int | None = No
   policy = t["lr_policy"] if policy is None else policy
   excess = f["excess"] if excess is None else excess
   bootstrap = f["bootstrap"] if bootstrap is None else bootstrap
+  interval = f.get("interval", "cluster_t") if interval is None else interval
   in_fit = (res.n >= n_min) & (res.n <= n_max)
   ref = int(np.searchsorted(res.n, t["transfer_n"])) if policy == "transfer" else 0
   alpha_rows, loss_rows = [], []
@@ -260,9 +296,12 @@ def summarize(res: SweepResult, steps: int | None = None, n_min: int | None = No
       floor = float(res.floor[i].mean()) if excess else 0.0
       fa = fit_lib.fit_alpha(res.n, arr[i, :, :, :, steps], floor=floor, fit_mask=in_fit,
                              policy=policy, ref=ref, bootstrap=bootstrap, ci=f["ci"],
-                             seed=1000 * i + 7)
-      alpha_rows.append({"s": float(s), "optimizer": name, "alpha": fa.alpha,
-                         "ci_low": fa.ci_low, "ci_high": fa.ci_high})
+                             seed=1000 * i + 7, method=interval)
+      row = {"s": float(s), "optimizer": name, "alpha": fa.alpha, "ci_low": fa.ci_low,
+             "ci_high": fa.ci_high, "shift": np.nan, "interval_method": interval, "se": fa.se,
+             "draws": int(arr.shape[1])}
+      row.update(_window_columns(fa, res.n, in_fit, f.get("window", 3)))
+      alpha_rows.append(row)
       for j, n in enumerate(res.n):
         sel = arr[i, :, j, fa.selected[j], steps] - floor
         row = {"s": float(s), "optimizer": name, "N": int(n), "steps": steps}
@@ -275,6 +314,22 @@ def summarize(res: SweepResult, steps: int | None = None, n_min: int | None = No
   for r in alpha_rows:
     r["shift"] = r["alpha"] - base[r["s"]]
   return alpha_rows, loss_rows
+
+
+def window_warning(alpha_rows: Sequence[dict]) -> str | None:
+  """One line when dropping the smallest or largest fitted N moves alpha beyond its interval."""
+  flagged = sorted((r for r in alpha_rows if r.get("window_ratio", 0) > 1),
+                   key=lambda r: -r["window_ratio"])
+  if not flagged:
+    return None
+  worst = "; ".join(
+      f"s={r['s']:g} {r['optimizer']} {r['alpha']:.3f} +- {(r['ci_high'] - r['ci_low']) / 2:.3f}"
+      f" -> {r['alpha_drop_first']:.3f} / {r['alpha_drop_last']:.3f}"
+      f" ({r['window_ratio']:.1f} half-widths)" for r in flagged[:3])
+  return (f"fit window: dropping the smallest or largest fitted N moves alpha by more than its "
+          f"interval half-width in {len(flagged)} of {len(alpha_rows)} (s, optimizer) cells, so "
+          f"L(N) is not one power law over the fitted range at this precision (window.png, "
+          f"alpha.csv columns alpha_drop_*, alpha_win_*, slope_*). Largest: {worst}")
 
 
 def alpha_table(alpha_rows: list[dict]) -> str:
@@ -322,27 +377,55 @@ def write_outputs(res: SweepResult, out: pathlib.Path, plots: bool = True
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
   alpha_rows, loss_rows = summarize(res)
-  _write_csv(out / "alpha.csv", alpha_rows, ["s", "optimizer", "alpha", "ci_low", "ci_high",
-                                              "shift"])
+  slope_cols = [k for k in alpha_rows[0] if k.startswith("slope_")]
+  _write_csv(out / "alpha.csv", alpha_rows, ALPHA_COLUMNS + slope_cols)
   _write_csv(out / "losses.csv", loss_rows)
   save_raw(res, out / "raw.npz")
   (out / "config.json").write_text(json.dumps(res.cfg, indent=2))
   if plots:
     from scaleopt.scaling import plots as plots_lib
     plots_lib.plot_all(res, alpha_rows, loss_rows, out)
+  msg = window_warning(alpha_rows)
+  if msg:
+    warnings.warn(msg, FitWindowWarning, stacklevel=2)
   return alpha_rows, loss_rows
+
+
+def check_out_dir(out_dir: str | pathlib.Path) -> pathlib.Path:
+  """Create the output folder now (before the sweep) or raise OSError with a one-line reason."""
+  out = pathlib.Path(out_dir)
+  if out.exists() and not out.is_dir():
+    raise OSError(f"--out {out}: is a file, expected a directory")
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+    probe = out / ".write_test"
+    probe.write_bytes(b"")
+    probe.unlink()
+  except OSError as e:
+    raise OSError(f"--out {out}: cannot write there ({e.strerror or e.__class__.__name__})"
+                  ) from None
+  return out
 
 
 def sweep_main(config_path: str, out_dir: str, overrides: Sequence[str] | None = None) -> int:
   """`scaleopt sweep --config X --out DIR [--set a.b=v ...]`."""
   try:
     cfg = config_lib.load_config(config_path, overrides or [])
-  except config_lib.ConfigError as e:
-    print(f"config error: {e}")
+    out = check_out_dir(out_dir)
+  except (config_lib.ConfigError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
     return 2
-  res = run_sweep(cfg)
-  alpha_rows, _ = write_outputs(res, pathlib.Path(out_dir))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", SmallSampleWarning)
+    warnings.simplefilter("always", FitWindowWarning)
+    res = run_sweep(cfg)
+    alpha_rows, _ = write_outputs(res, out)
   print(alpha_table(alpha_rows))
+  for w in caught:
+    if issubclass(w.category, (SmallSampleWarning, FitWindowWarning)):
+      print(f"WARNING: {w.message}", file=sys.stderr)
+    else:
+      warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
   print(f"sweep '{cfg['name']}': {res.timing['total_s']:.1f} s "
         f"(first chunk incl. compile {res.timing['first_chunk_s']:.1f} s); outputs in {out_dir}")
   return 0

@@ -3,6 +3,8 @@
 import csv
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -12,19 +14,25 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_sweep_main_writes_alpha_losses_and_plots(tmp_path, capsys):
+  """Two draws (seeds = 2) is allowed with a loud warning; every output file is written."""
   rc = sweep.sweep_main(str(ROOT / "configs/sweeps/small.yaml"), str(tmp_path),
                         overrides=["problem.s=[1.0, 2.0]", "problem.seeds=2",
                                    "problem.n_features=[16, 32, 64]", "fit.bootstrap=20",
                                    "compute.progress=false"])
   assert rc == 0
   rows = list(csv.DictReader((tmp_path / "alpha.csv").open()))
-  assert list(rows[0])[:5] == ["s", "optimizer", "alpha", "ci_low", "ci_high"]
+  assert list(rows[0])[:7] == ["s", "optimizer", "alpha", "ci_low", "ci_high", "shift",
+                               "interval_method"]
+  assert {r["interval_method"] for r in rows} == {"cluster_t"}
+  assert {"alpha_drop_first", "alpha_drop_last", "window_ratio", "slope_16_64"} <= set(rows[0])
   assert len(rows) == 2 * 5
   losses = list(csv.DictReader((tmp_path / "losses.csv").open()))
   assert len(losses) == 2 * 5 * 3
-  for f in ("loss_vs_n.png", "alpha_vs_s.png", "raw.npz"):
+  for f in ("loss_vs_n.png", "alpha_vs_s.png", "window.png", "raw.npz"):
     assert (tmp_path / f).stat().st_size > 1000
-  assert "| s |" in capsys.readouterr().out
+  out = capsys.readouterr()
+  assert "| s |" in out.out
+  assert "WARNING: problem.seeds = 2" in out.err
   re = sweep.load_raw(tmp_path / "raw.npz")
   again, _ = sweep.summarize(re)
   assert [round(float(r["alpha"]), 4) for r in rows] == [round(r["alpha"], 4) for r in again]
@@ -34,7 +42,38 @@ def test_sweep_main_reports_config_errors(tmp_path, capsys):
   rc = sweep.sweep_main(str(ROOT / "configs/sweeps/small.yaml"), str(tmp_path),
                         overrides=["problem.spectrum=flat"])
   assert rc == 2
-  assert "problem.spectrum" in capsys.readouterr().out
+  assert "problem.spectrum" in capsys.readouterr().err
+
+
+def _cli(*args):
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  return subprocess.run([sys.executable, "-m", "scaleopt.cli", "sweep", *args], env=env,
+                        capture_output=True, text=True, timeout=120)
+
+
+def test_cli_bad_inputs_exit_2_with_one_line(tmp_path):
+  """YAML syntax error, --out naming a file, invalid values: one line on stderr, exit 2."""
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("problem:\n  s: [1.0\n")
+  afile = tmp_path / "afile"
+  afile.write_text("x")
+  small = str(ROOT / "configs/sweeps/small.yaml")
+  cases = [((("--config", str(bad), "--out", str(tmp_path / "o"))), "YAML syntax error"),
+           ((("--config", small, "--out", str(afile))), "is a file")]
+  for args, needle in cases:
+    r = _cli(*args)
+    assert r.returncode == 2, (args, r.stderr)
+    assert "Traceback" not in r.stderr + r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+  assert not (tmp_path / "o").exists()
+
+
+def test_sweep_main_invalid_value_is_one_line(tmp_path, capsys):
+  rc = sweep.sweep_main(str(ROOT / "configs/sweeps/small.yaml"), str(tmp_path / "o"),
+                        overrides=["problem.seeds=2.7"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert rc == 2 and err == ["error: problem.seeds = 2.7: expected an integer"]
 
 
 def test_notebook_executes_on_small_preset():

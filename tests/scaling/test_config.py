@@ -21,6 +21,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
     ("problem.latent_dim=100", "exceeds problem.latent_dim = 100"),
     ("problem.typo=1", "problem: unknown key(s) typo"),
     ("train.steps", "expected KEY=VALUE"),
+    ("problem.n_features=[16.9, 32]", "problem.n_features = 16.9: expected an integer"),
+    ("problem.n_features=[16, 32, 16]", "problem.n_features = [16, 32, 16]: duplicate value(s) 16"),
+    ("problem.seeds=2.7", "problem.seeds = 2.7: expected an integer"),
+    ("problem.seeds=1", "problem.seeds = 1: need at least 2 independent problem draws"),
+    ("problem.seeds=0", "problem.seeds = 0: must be an integer >= 1"),
+    ("fit.bootstrap=-5", "fit.bootstrap = -5: must be an integer >= 2"),
+    ("fit.bootstrap=0", "fit.bootstrap = 0: must be an integer >= 2"),
+    ("fit.bootstrap=10.5", "fit.bootstrap = 10.5: expected an integer"),
+    ("fit.interval=normal", "fit.interval = 'normal': allowed values are cluster_t"),
+    ("fit.window=1", "fit.window = 1: must be an integer >= 2"),
+    ("train.steps=true", "train.steps = True: expected an integer"),
+    ("problem=3", "problem = 3: expected a mapping"),
+    ("problem.s=[1,", "override 'problem.s=[1,': the value is not valid YAML"),
 ])
 def test_errors_name_key_and_allowed_values(override, needle):
   with pytest.raises(config.ConfigError) as e:
@@ -45,3 +58,22 @@ def test_grid_is_cartesian_product():
   assert len(specs[0].grid) == 6
   assert {(g["lr"], g["damping"]) for g in specs[0].grid} == {
       (a, b) for a in (0.5, 1.0, 1.5) for b in (1e-4, 1e-2)}
+
+
+def test_integer_valued_floats_are_accepted():
+  cfg = config.load_config(ROOT / "configs/sweeps/small.yaml",
+                           ["problem.n_features=[32.0, 16]", "problem.seeds=3.0"])
+  assert cfg["problem"]["n_features"] == [16, 32] and cfg["problem"]["seeds"] == 3
+  assert isinstance(cfg["problem"]["seeds"], int)
+
+
+def test_yaml_syntax_error_is_one_line_with_position(tmp_path):
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("problem:\n  s: [1.0, 2.0\n  seeds: 4\n")
+  with pytest.raises(config.ConfigError) as e:
+    config.load_config(bad)
+  msg = str(e.value)
+  assert "\n" not in msg and str(bad) in msg and "YAML syntax error at line" in msg
+  (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+  with pytest.raises(config.ConfigError, match="expected a mapping of sections"):
+    config.load_config(tmp_path / "list.yaml")
