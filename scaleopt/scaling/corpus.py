@@ -1,4 +1,4 @@
-r"""Inputs for the spectral diagnostic: byte statistics of the embedded corpus and a tiny model.
+r"""Inputs for the spectral diagnostic: byte statistics, a project language model, a byte MLP.
 
 Corpus: the Python standard library's own .py sources, read from the running interpreter's
 stdlib directory (sorted paths, first `max_bytes` bytes) — the project's embedded text corpus.
@@ -10,7 +10,13 @@ interlace with the sorted p, so the spectrum is the rank-frequency (Zipf) curve:
   * "bigram":  x = one-hot of the (previous byte, byte) pair (65536 dims; the sorted pair
     frequencies, equal to the eigenvalues up to the one rank-one correction).
 
-Tiny trained model (choice): a plain-JAX MLP next-byte predictor, context of `context`
+Language model (the project's own): the `tiny` preset of `scaleopt.models` (2 layers, d_model
+64, byte vocabulary), freshly initialised or trained briefly with AdamW on the embedded corpus
+(`scaleopt.train.data.embedded_tokens`, train split). Its activations are the final residual
+stream as the unembedding reads it, Norm(x_L) (before the final scale vector), one row per token
+of held-out (val split) windows: `lm_activations`.
+
+Plain-JAX alternative (choice): an MLP next-byte predictor, context of `context`
 previous bytes -> embeddings (16 each) -> one ReLU hidden layer (`hidden` units) -> 256 logits,
 trained with optax.adam on cross-entropy for a few hundred steps. Its hidden activations on
 held-out text are the "activations of a small trained model" handed to `diagnose`.
@@ -18,6 +24,7 @@ held-out text are the "activations of a small trained model" handed to `diagnose
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import sysconfig
 from typing import NamedTuple
@@ -26,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 
 def stdlib_bytes(max_bytes: int = 2_000_000) -> np.ndarray:
@@ -118,3 +126,69 @@ def model_activations(params: ByteMLP, data: np.ndarray, n: int = 8192, context:
   x, _ = _windows(np.asarray(data, np.int32), context)
   i = np.random.default_rng(seed).integers(0, len(x), n)
   return np.asarray(jax.jit(hidden_activations)(params, jnp.asarray(x[i])))
+
+
+# --------------------------------------------------------------------- scaleopt.models LM
+
+
+def lm_hidden_states(cfg, params, tokens_BxT: jax.Array) -> jax.Array:
+  """Norm(x_L) of a `scaleopt.models` Transformer (B, T, d_model), float32.
+
+  The same trunk as `Transformer.__call__` (embedding, scanned blocks, final RMS norm); the
+  logits are these states times the (scale-folded) unembedding, which the tests check.
+  """
+  from scaleopt.models.layers import rms_norm, rope_tables
+  from scaleopt.models.transformer import Transformer
+
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  model = nnx.merge(graphdef, params)
+  x = jnp.take(model.embed.embedding[...], tokens_BxT, axis=0).astype(jnp.dtype(cfg.dtype))
+  sin, cos = rope_tables(tokens_BxT.shape[1], cfg.d_head, cfg.rope_theta)
+  blocks_def, blocks = nnx.split(model.blocks)
+  x, _ = jax.lax.scan(lambda h, st: (nnx.merge(blocks_def, st)(h, sin, cos)[0], None), x, blocks)
+  return rms_norm(x, cfg.norm_eps).astype(jnp.float32)
+
+
+def train_tiny_lm(steps: int = 150, batch: int = 16, seq_len: int = 64, lr: float = 3e-3,
+                  seed: int = 0, preset: str = "tiny") -> tuple[object, dict, list[float]]:
+  """(cfg, params, loss curve): a `scaleopt.models` preset trained with AdamW on random
+  windows of the embedded corpus's train split (steps = 0: fresh initialisation)."""
+  from scaleopt.models import functional, get_preset, lm_loss
+  from scaleopt.train.data import embedded_tokens
+
+  cfg = get_preset(preset)
+  init_fn, apply_fn = functional(cfg)
+  params = jax.jit(init_fn)(jax.random.key(seed))
+  tx = optax.adamw(lr, weight_decay=0.0)
+
+  def loss_fn(p, xb):
+    logits, _ = apply_fn(p, xb[:, :-1])
+    return lm_loss(logits, xb[:, 1:])
+
+  @jax.jit
+  def step(p, st, xb):
+    l, g = jax.value_and_grad(loss_fn)(p, xb)
+    upd, st = tx.update(g, st, p)
+    return optax.apply_updates(p, upd), st, l
+
+  data = np.asarray(embedded_tokens("train"), np.int32)
+  rng = np.random.default_rng(seed)
+  st, losses = tx.init(params), []
+  for _ in range(steps):
+    start = rng.integers(0, len(data) - seq_len - 1, batch)
+    xb = data[start[:, None] + np.arange(seq_len + 1)[None, :]]
+    params, st, l = step(params, st, jnp.asarray(xb))
+    losses.append(float(l))
+  return cfg, params, losses
+
+
+def lm_activations(cfg, params, n_windows: int = 64, seq_len: int = 64, seed: int = 1
+                   ) -> np.ndarray:
+  """(n_windows * seq_len, d_model) final hidden states on random val-split windows."""
+  from scaleopt.train.data import embedded_tokens
+
+  data = np.asarray(embedded_tokens("val"), np.int32)
+  start = np.random.default_rng(seed).integers(0, len(data) - seq_len, n_windows)
+  xb = jnp.asarray(data[start[:, None] + np.arange(seq_len)[None, :]])
+  h = jax.jit(functools.partial(lm_hidden_states, cfg))(params, xb)
+  return np.asarray(h).reshape(-1, h.shape[-1])

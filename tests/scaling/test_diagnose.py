@@ -51,3 +51,30 @@ def test_package_level_diagnose_is_the_function():
   import scaleopt.scaling as scaling
   d = scaling.diagnose(np.arange(1, 500) ** -1.2)
   assert abs(d.s_hat - 1.2) < 1e-9
+
+
+def test_lm_hidden_states_reproduce_the_models_logits():
+  """The diagnostic's LM activations are what the unembedding reads: logits = h W_eff."""
+  import jax
+  from flax import nnx
+
+  from scaleopt.models import Transformer, functional, get_preset
+  from scaleopt.models.layers import effective_kernel, get_scale
+  from scaleopt.models.transformer import final_scale_name
+  from scaleopt.scaling import corpus
+
+  cfg = get_preset("tiny")
+  init_fn, apply_fn = functional(cfg)
+  params = jax.jit(init_fn)(jax.random.key(3))
+  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+  logits, _ = jax.jit(apply_fn)(params, tokens)
+  h = np.asarray(jax.jit(corpus.lm_hidden_states, static_argnums=0)(cfg, params, tokens))
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  model = nnx.merge(graphdef, params)
+  assert h.shape == (2, 16, cfg.d_model)
+  name = final_scale_name(cfg)
+  w = effective_kernel(model.embed.embedding[...].T, get_scale(model, name) if name else None)
+  ref = np.asarray(logits)
+  np.testing.assert_allclose(h @ np.asarray(w), ref, atol=0.02 * np.abs(ref).max())
+  # per-token RMS norm: every row has unit root-mean-square
+  np.testing.assert_allclose(np.sqrt((h ** 2).mean(-1)), 1.0, rtol=2e-2)
