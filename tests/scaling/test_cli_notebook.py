@@ -90,6 +90,7 @@ def test_notebook_executes_on_small_preset():
   text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                    for o in c.get("outputs", []))
   assert "s_hat" in text and "max relative difference" in text
+  assert "LM tiny (trained" in text and "(mode counting)" in text and "window" in text
   errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
             if o.get("output_type") == "error"]
   assert not errors
