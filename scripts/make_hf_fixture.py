@@ -7,6 +7,11 @@ which come from transformers alone. Two architectures, one fixture each:
   qwen2   Qwen2ForCausalLM: q/k/v biases, GQA 4/2, RoPE theta 1e6, eps 1e-6, untied head
   llama   LlamaForCausalLM: no biases, GQA 4/2, RoPE theta 1e4, eps 1e-5, tied head
 
+and a Qwen2-format tokenizer (``qwen2_tokenizer``: a byte-level BPE of 400 merges put into
+transformers' ``Qwen2Tokenizer``, i.e. Qwen2's NFC normalizer, digit-splitting pre-tokenizer
+regex and special tokens) with the ids transformers gives a few documents, the reference for
+``tests/train/test_tokenizers.py``.
+
 Every parameter is drawn at random (norm weights 1 + N(0, 0.2^2), biases N(0, 0.5^2)), so a
 mapping that drops, transposes or misplaces any tensor changes the logits visibly.
 
@@ -70,12 +75,42 @@ def make(name: str, out: pathlib.Path) -> None:
         f"{logits.std():.2f}, transformers {transformers.__version__}, torch {torch.__version__}")
 
 
+TOKENIZER_TEXT = """def add(x, y):
+    return x + y  # 12345 numbers are split digit by digit
+The quick brown fox jumps over the lazy dog. Café, naïve, 中文, emoji-free text.
+    if __name__ == "__main__":
+        print(add(1, 2))
+"""
+DOCS = ["def main():\n    print('hello world')  # 2026\n",
+        "Une phrase en français: été, déjà.\n中文 and   multiple   spaces\t\ttabs\n",
+        "<|im_start|>user\nwhat is 7 * 6?<|im_end|>\n"]
+
+
+def make_tokenizer(out: pathlib.Path) -> None:
+  import tokenizers as tk
+  t = tk.Tokenizer(tk.models.BPE())
+  t.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  t.train_from_iterator([TOKENIZER_TEXT * 3], trainer=tk.trainers.BpeTrainer(
+      vocab_size=400, initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False))
+  model = json.loads(t.to_str())["model"]
+  merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+  q = transformers.Qwen2Tokenizer(vocab=model["vocab"], merges=merges)
+  q.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+  d = out / "qwen2_tokenizer"
+  q.save_pretrained(str(d))
+  ids = [q(doc, add_special_tokens=False)["input_ids"] for doc in DOCS]
+  (d / "reference.json").write_text(json.dumps({"docs": DOCS, "ids": ids}, ensure_ascii=False))
+  print(f"{d}: {len(q)} ids")
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default="tests/models/fixtures")
   args = ap.parse_args()
   for name in MODELS:
     make(name, pathlib.Path(args.out))
+  make_tokenizer(pathlib.Path(args.out))
 
 
 if __name__ == "__main__":

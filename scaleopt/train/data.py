@@ -189,7 +189,8 @@ def is_binary(data: bytes) -> bool:
 def input_files(inp: pathlib.Path) -> tuple[list[tuple[str, pathlib.Path]],
                                             collections.Counter]:
   """(relative path, path) of the input files, sorted, and counts of what was skipped
-  (``.git/`` directories, ``.pyc`` files; binary files are counted when read)."""
+  (``.git/`` directories and ``.git`` files, ``.pyc`` files; binary files are counted when
+  read)."""
   skipped: collections.Counter = collections.Counter()
   if inp.is_file():
     return [(inp.name, inp)], skipped
@@ -202,7 +203,9 @@ def input_files(inp: pathlib.Path) -> tuple[list[tuple[str, pathlib.Path]],
       skipped[f"{d}/ directories"] += 1
     for n in names:
       p = pathlib.Path(root) / n
-      if p.suffix in SKIP_SUFFIXES:
+      if n in SKIP_DIRS:  # a worktree's or submodule's .git file
+        skipped[f"{n} files"] += 1
+      elif p.suffix in SKIP_SUFFIXES:
         skipped[f"{p.suffix} files"] += 1
       elif p.is_file():
         out.append((p.relative_to(inp).as_posix(), p))

@@ -143,3 +143,16 @@ def test_fine_tune_from_hf_weights_with_adamw_bc_then_export(tmp_path, capsys):
   delta = max(float(np.abs(a[k] - b[k]).max()) for k in a)
   # started from the checkpoint (a fresh init would be O(1) away) and moved by ~lr per step
   assert 0 < delta < 3 * 10 * 1e-3, delta
+
+
+def test_tokenizer_files_travel_with_the_conversion(tmp_path):
+  src = tmp_path / "src"
+  src.mkdir()
+  for f in ("config.json", "model.safetensors"):
+    (src / f).write_bytes((FIX / "qwen2" / f).read_bytes())
+  for f in ("tokenizer.json", "tokenizer_config.json"):
+    (src / f).write_bytes((FIX / "qwen2_tokenizer" / f).read_bytes())
+  assert convert_main("import", str(src), str(tmp_path / "conv")) == 0
+  assert convert_main("export", str(tmp_path / "conv"), str(tmp_path / "out")) == 0
+  for f in ("tokenizer.json", "tokenizer_config.json"):
+    assert (tmp_path / "out" / f).read_bytes() == (src / f).read_bytes()

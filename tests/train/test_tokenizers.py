@@ -1,6 +1,7 @@
 """Tokenizers (Hugging Face `tokenizers`) and `scaleopt data prepare` on real-looking corpora."""
 
 import json
+import pathlib
 import zlib
 
 import numpy as np
@@ -102,6 +103,8 @@ def test_prepare_skips_git_pyc_and_binary_files_with_a_count(tmp_path, capsys):
   (src / ".git" / "objects").mkdir(parents=True)
   (src / ".git" / "objects" / "ab").write_text("not corpus text")
   (src / ".git" / "HEAD").write_text("ref: refs/heads/main")
+  (src / "sub").mkdir()
+  (src / "sub" / ".git").write_text("gitdir: ../.git/modules/sub")  # a submodule's .git file
   (src / "pkg" / "__pycache__").mkdir(parents=True)
   (src / "pkg" / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"\x00\x01compiled")
   (src / "pkg" / "m2.pyc").write_bytes(b"compiled")
@@ -111,7 +114,7 @@ def test_prepare_skips_git_pyc_and_binary_files_with_a_count(tmp_path, capsys):
   out = tmp_path / "b"
   assert D.prepare_main(str(src), str(out), "bytes") == 0
   msg = capsys.readouterr().out
-  assert "1 .git/ directories" in msg and "2 .pyc files" in msg and "3 binary files" in msg
+  assert "1 .git/ directories" in msg and "1 .git files" in msg and "2 .pyc files" in msg and "3 binary files" in msg
   ids, _ = _shard_ids(out, "train")
   expect = b"".join((src / n).read_bytes() + b"\0" for n in names["train"])
   assert bytes(ids.astype(np.uint8)) == expect  # none of the skipped bytes got in
@@ -155,3 +158,26 @@ def test_training_refuses_a_model_vocabulary_smaller_than_the_shards(tmp_path, c
   assert train_main(str(cfg), str(tmp_path / "run")) == 2
   err = capsys.readouterr().err
   assert f"({vocab} tokens)" in err and "model.vocab_size=256" in err
+
+
+QWEN_TOK = pathlib.Path(__file__).parents[1] / "models" / "fixtures" / "qwen2_tokenizer"
+
+
+def test_qwen2_format_tokenizer_json_encodes_like_transformers(tmp_path):
+  """The fixture's ids come from transformers' Qwen2Tokenizer (scripts/make_hf_fixture.py)."""
+  ref = json.loads((QWEN_TOK / "reference.json").read_text(encoding="utf-8"))
+  tj = json.loads((QWEN_TOK / "tokenizer.json").read_text(encoding="utf-8"))
+  sep = next(t["id"] for t in tj["added_tokens"] if t["content"] == "<|endoftext|>")
+  src = tmp_path / "src"
+  src.mkdir()
+  i = 0
+  for doc, split in zip(ref["docs"], ("train", "train", "val")):
+    name, i = _name_in(split, i)
+    (src / name).write_text(doc, encoding="utf-8")
+  out = tmp_path / "q"
+  assert D.prepare_main(str(src), str(out), str(QWEN_TOK / "tokenizer.json")) == 0
+  train, vocab = _shard_ids(out, "train")
+  val, _ = _shard_ids(out, "val")
+  a, b, c = ref["ids"]
+  assert train.tolist() == a + [sep] + b + [sep] and val.tolist() == c + [sep]
+  assert vocab == 1 + max(t["id"] for t in tj["added_tokens"])
