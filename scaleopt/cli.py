@@ -4,7 +4,7 @@
   scaleopt sweep --config configs/sweeps/<name>.yaml --out DIR [--set a.b=v ...]
   scaleopt study --config configs/studies/<name>.yaml --out DIR [--set a.b=v ...] [--cells GLOB ...]
                  [--max-minutes M] [--shard i/n] [--report-only]
-  scaleopt data prepare --input TEXT_FILE_OR_DIR --out DIR [--tokenizer bytes|bpe:VOCAB|tokenizer.json]
+  scaleopt data prepare --input TEXT_OR_DIR --out DIR [--tokenizer bytes|bpe:VOCAB|tokenizer.json]
   scaleopt convert import --hf HF_DIR --out PARAMS_DIR      (Qwen2/Llama safetensors -> Orbax)
   scaleopt convert export --from RUN_OR_PARAMS_DIR --out HF_DIR [--step N] [--dtype bfloat16]
   scaleopt bias-study [--out docs/results.md]
