@@ -15,8 +15,9 @@ def run_default(out_dir: pathlib.Path) -> list[dict]:
   out = pathlib.Path(out_dir) / "sweep"
   cfg = config.load_config(SMALL)
   print(f"\n== scaling-exponent sweep (preset '{cfg['name']}', {SMALL.relative_to(ROOT)}) ==")
-  res = sweep.run_sweep(cfg)
-  rows, _ = sweep.write_outputs(res, out)
+  res, rows, notes = sweep.run_and_write(cfg, out)
   print(sweep.alpha_table(rows))
+  for msg in notes:
+    print(f"WARNING: {msg}")
   print(f"sweep: {res.timing['total_s']:.1f} s; alpha.csv, losses.csv and plots in {out}/")
   return rows

@@ -333,7 +333,8 @@ def window_warning(alpha_rows: Sequence[dict]) -> str | None:
 
 
 def alpha_table(alpha_rows: list[dict]) -> str:
-  """A markdown table: one row per s, one column per optimizer, 'alpha [lo, hi]'."""
+  """A markdown table: one row per s, one column per optimizer, 'alpha [lo, hi]' ('*' marks a
+  cell whose fit-window report exceeds its interval, window_ratio > 1)."""
   names = list(dict.fromkeys(r["optimizer"] for r in alpha_rows))
   svals = sorted({r["s"] for r in alpha_rows})
   get = {(r["s"], r["optimizer"]): r for r in alpha_rows}
@@ -342,8 +343,12 @@ def alpha_table(alpha_rows: list[dict]) -> str:
     cells = []
     for nm in names:
       r = get[(s, nm)]
-      cells.append(f"{r['alpha']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")
+      mark = "*" if r.get("window_ratio", 0) > 1 else ""
+      cells.append(f"{r['alpha']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]{mark}")
     lines.append(f"| {s:g} | " + " | ".join(cells) + " |")
+  if any(r.get("window_ratio", 0) > 1 for r in alpha_rows):
+    lines.append("\n\\* dropping the smallest or largest fitted N moves alpha by more than the "
+                 "interval half-width (window report)")
   return "\n".join(lines)
 
 
@@ -407,6 +412,22 @@ def check_out_dir(out_dir: str | pathlib.Path) -> pathlib.Path:
   return out
 
 
+def run_and_write(cfg: dict, out: pathlib.Path) -> tuple[SweepResult, list[dict], list[str]]:
+  """run_sweep + write_outputs; the small-sample and fit-window warnings come back as lines."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", SmallSampleWarning)
+    warnings.simplefilter("always", FitWindowWarning)
+    res = run_sweep(cfg)
+    alpha_rows, _ = write_outputs(res, out)
+  notes = []
+  for w in caught:
+    if issubclass(w.category, (SmallSampleWarning, FitWindowWarning)):
+      notes.append(str(w.message))
+    else:
+      warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+  return res, alpha_rows, notes
+
+
 def sweep_main(config_path: str, out_dir: str, overrides: Sequence[str] | None = None) -> int:
   """`scaleopt sweep --config X --out DIR [--set a.b=v ...]`."""
   try:
@@ -415,17 +436,10 @@ def sweep_main(config_path: str, out_dir: str, overrides: Sequence[str] | None =
   except (config_lib.ConfigError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always", SmallSampleWarning)
-    warnings.simplefilter("always", FitWindowWarning)
-    res = run_sweep(cfg)
-    alpha_rows, _ = write_outputs(res, out)
+  res, alpha_rows, notes = run_and_write(cfg, out)
   print(alpha_table(alpha_rows))
-  for w in caught:
-    if issubclass(w.category, (SmallSampleWarning, FitWindowWarning)):
-      print(f"WARNING: {w.message}", file=sys.stderr)
-    else:
-      warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+  for msg in notes:
+    print(f"WARNING: {msg}", file=sys.stderr)
   print(f"sweep '{cfg['name']}': {res.timing['total_s']:.1f} s "
         f"(first chunk incl. compile {res.timing['first_chunk_s']:.1f} s); outputs in {out_dir}")
   return 0

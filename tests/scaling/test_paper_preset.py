@@ -1,4 +1,4 @@
-"""The issue's reproduce targets on the full `paper` preset (slow: ~25-100 s on 2 cores)."""
+"""The reproduce targets (the paper's s = 1 pair, the shape of the shift) on the full `paper` preset (slow)."""
 
 import pathlib
 
