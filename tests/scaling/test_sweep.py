@@ -9,6 +9,9 @@ import pytest
 
 from scaleopt.scaling import config, problem, sweep, theory
 
+# the tiny configs use two draws on purpose (speed); their small-sample warning is expected
+pytestmark = pytest.mark.filterwarnings("ignore::scaleopt.scaling.sweep.SmallSampleWarning")
+
 ALL_KINDS = {
     "gd": {"lr": [0.5, 1.5]},
     "adam": {"lr": [1e-2, 1e-1]},
