@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow bench clean
+.PHONY: run test test-slow test-min bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,5 +23,17 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+# The lowest dependency versions pyproject.toml allows (core + hf), in .venv-min, on a smoke
+# subset of the tests. Not part of `make test` (it downloads a second JAX).
+MIN_VENV := .venv-min
+MIN_TESTS := tests/test_packaging.py tests/models/test_models_config.py \
+  tests/train/test_train_config.py tests/optim/test_adam_bc.py tests/train/test_train.py
+test-min:
+	test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install -q --only-binary :all: \
+	  $$($(PYTHON) scripts/min_requirements.py hf) "pytest>=8.0"
+	PYTHONPATH=. $(MIN_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" \
+	  -k "not wheel and not editable" $(MIN_TESTS)
+
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) $(MIN_VENV) results .pytest_cache

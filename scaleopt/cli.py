@@ -1,8 +1,9 @@
 """The one command line of scaleopt.
 
-  scaleopt train --config configs/train/<name>.yaml --out RUN_DIR [--set a.b=v ...] [--resume]
-  scaleopt sweep --config configs/sweeps/<name>.yaml --out DIR [--set a.b=v ...]
-  scaleopt study --config configs/studies/<name>.yaml --out DIR [--set a.b=v ...] [--cells GLOB ...]
+  scaleopt train --config NAME_OR_YAML --out RUN_DIR [--set a.b=v ...] [--resume]
+                 [--print-config]
+  scaleopt sweep --config NAME_OR_YAML --out DIR [--set a.b=v ...]
+  scaleopt study --config NAME_OR_YAML --out DIR [--set a.b=v ...] [--cells GLOB ...]
                  [--max-minutes M] [--shard i/n] [--report-only]
   scaleopt data prepare --input TEXT_OR_DIR --out DIR [--tokenizer bytes|bpe:VOCAB|tokenizer.json]
   scaleopt convert import --hf HF_DIR --out PARAMS_DIR      (Qwen2/Llama safetensors -> Orbax)
@@ -10,7 +11,8 @@
   scaleopt bias-study [--out docs/results.md]
   scaleopt run-default --out results        (what `make run` runs)
 
-Subcommands import their package lazily so that `scaleopt --help` is instant.
+--config takes a file or a shipped config's name (`tiny`, `optim/adamw`, `small`,
+`studies/bc_tiny`; see scaleopt/config.py). Subcommands import their package lazily so that `scaleopt --help` is instant.
 """
 
 from __future__ import annotations
@@ -23,21 +25,60 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+def _config(args: argparse.Namespace, kind: str) -> str | None:
+  """``args.config`` resolved to a file (a path, or a shipped config's name); None after
+  printing the one-line error."""
+  from scaleopt.config import ConfigError, resolve_config
+  try:
+    return str(resolve_config(args.config, kind))
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return None
+
+
+def _print_config(path: str, overrides: list[str]) -> int:
+  import yaml
+
+  from scaleopt.train.config import ConfigError, load_config
+  try:
+    cfg = load_config(path, overrides)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"# resolved from {path}" + (f" with {' '.join(overrides)}" if overrides else ""))
+  print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+  return 0
+
+
 def _train(args: argparse.Namespace) -> int:
   from scaleopt.train.main import train_main
 
+  args.config = _config(args, "train")
+  if args.config is None:
+    return 2
+  if args.print_config:
+    return _print_config(args.config, args.set)
+  if not args.out:
+    print("error: scaleopt train needs --out RUN_DIR (or --print-config)", file=sys.stderr)
+    return 2
   return train_main(args.config, args.out, overrides=args.set, resume=args.resume) or 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
   from scaleopt.scaling.sweep import sweep_main
 
+  args.config = _config(args, "sweep")
+  if args.config is None:
+    return 2
   return sweep_main(args.config, args.out, overrides=args.set) or 0
 
 
 def _study(args: argparse.Namespace) -> int:
   from scaleopt.study.runner import study_main
 
+  args.config = _config(args, "study")
+  if args.config is None:
+    return 2
   return study_main(args.config, args.out, overrides=args.set, cells=args.cells,
                     max_minutes=args.max_minutes, shard=args.shard,
                     report_only=args.report_only) or 0
@@ -94,21 +135,26 @@ def build_parser() -> argparse.ArgumentParser:
   sub = p.add_subparsers(dest="command", required=True)
 
   t = sub.add_parser("train", help="pretrain a language model from a config file")
-  t.add_argument("--config", required=True)
-  t.add_argument("--out", required=True)
+  t.add_argument("--config", required=True, help="a YAML file or a shipped config's name, "
+                 "e.g. tiny, tiny_adamw_bc, gpt2-small (configs/train/)")
+  t.add_argument("--out", help="run directory (required unless --print-config)")
   t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="dotted override, e.g. --set optimizer.lr=3e-4 (repeatable)")
   t.add_argument("--resume", action="store_true", help="continue from RUN_DIR's last checkpoint")
+  t.add_argument("--print-config", action="store_true",
+                 help="print the resolved config (file + overrides + defaults) and exit")
   t.set_defaults(fn=_train)
 
   s = sub.add_parser("sweep", help="run a scaling-exponent sweep from a config file")
-  s.add_argument("--config", required=True)
+  s.add_argument("--config", required=True, help="a YAML file or a shipped sweep's name "
+                 "(small, paper)")
   s.add_argument("--out", required=True)
   s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
   s.set_defaults(fn=_sweep)
 
   st = sub.add_parser("study", help="run a study (arms x learning rates x seeds) and report it")
-  st.add_argument("--config", required=True)
+  st.add_argument("--config", required=True, help="a YAML file or a shipped study's name "
+                  "(e.g. bc_tiny)")
   st.add_argument("--out", required=True)
   st.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                   help="study override, e.g. seeds=[0,1,2] or run.steps=100 (repeatable)")

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import pathlib
 
+from scaleopt.config import resolve_config
 from scaleopt.scaling import config, sweep
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-SMALL = ROOT / "configs" / "sweeps" / "small.yaml"
 
 
 def run_default(out_dir: pathlib.Path) -> list[dict]:
   """Run configs/sweeps/small.yaml (well under 3 minutes on 2 CPU cores) into out_dir/sweep/."""
   out = pathlib.Path(out_dir) / "sweep"
-  cfg = config.load_config(SMALL)
-  print(f"\n== scaling-exponent sweep (preset '{cfg['name']}', {SMALL.relative_to(ROOT)}) ==")
+  cfg = config.load_config(resolve_config("small", "sweep"))
+  print(f"\n== scaling-exponent sweep (preset '{cfg['name']}', configs/sweeps/small.yaml) ==")
   res, rows, notes = sweep.run_and_write(cfg, out)
   print(sweep.alpha_table(rows))
   for msg in notes:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pathlib
 import shutil
 
+from scaleopt.config import resolve_config
 from scaleopt.train import config as C
 from scaleopt.train import loop, metrics
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-RUNS = (("adamw", "tiny.yaml"), ("adamw_bc", "tiny_adamw_bc.yaml"))
+RUNS = (("adamw", "tiny"), ("adamw_bc", "tiny_adamw_bc"))  # shipped train config names
 
 
 def run_default(out_dir: pathlib.Path, steps: int = 300) -> dict:
@@ -26,7 +26,7 @@ def run_default(out_dir: pathlib.Path, steps: int = 300) -> dict:
     run_dir = base / name
     if run_dir.exists():
       shutil.rmtree(run_dir)  # the demo's own previous output
-    cfg = C.load_config(ROOT / "configs" / "train" / cfg_file,
+    cfg = C.load_config(resolve_config(cfg_file, "train"),
                         [f"run.steps={steps}", f"run.eval_every={max(steps // 6, 1)}"])
     print(f"\n== pretraining tiny on the embedded corpus with {name} ({steps} steps) ==")
     results[name] = loop.train(cfg, run_dir)
@@ -37,7 +37,7 @@ def run_default(out_dir: pathlib.Path, steps: int = 300) -> dict:
           "tokens/s | wall s |")
   lines = [head, "|" + "---|" * 8]
   for name, s in results.items():
-    seqs = s["tokens"] // C.load_config(ROOT / "configs" / "train" / dict(RUNS)[name]).data.seq_len
+    seqs = s["tokens"] // C.load_config(resolve_config(dict(RUNS)[name], "train")).data.seq_len
     lines.append(f"| {name} | {s['layout']} | {s['steps']} | {seqs} | {s['final_eval_loss']:.4f} "
                  f"| {s['final_train_loss']:.4f} | {s['tokens_per_s']:.0f} | "
                  f"{s['wall_time_s']:.0f} |")
