@@ -15,7 +15,8 @@ A study file (``configs/studies/<name>.yaml``)::
   seeds: [0, 1]                   # every learning rate runs these seeds
   best_lr_seeds: []               # more seeds, run at each arm's best lr once it is known
   grid: {}                        # any other dotted key -> values, crossed with everything
-  engine: {kind: vmap, cells_at_once: 4}   # vmap: lr/seed cells share one compiled step
+  engine: {kind: vmap, cells_at_once: 4,   # vmap: lr/seed cells share one compiled step
+           keep_checkpoints: false}        # false: a finished cell's checkpoints are deleted
 
 A cell is one point (arm, grid values, learning rate, seed); its training config is
 ``base <- train <- arm overrides <- grid values <- optimizer.learning_rate, run.seed``, an
@@ -84,6 +85,7 @@ class Study:
   grid: dict  # dotted key -> list of values
   engine: str
   cells_at_once: int
+  keep_checkpoints: bool
   raw: dict
 
   def grid_points(self) -> list[tuple]:
@@ -259,8 +261,12 @@ def from_dict(raw: dict, path: Optional[pathlib.Path] = None) -> Study:
     if any(not _NAME.match(_fmt(x)) for x in v):
       raise ConfigError(f"study key 'grid.{k}'={v!r}: values may use letters, digits, _ . + -")
   eng = raw.get("engine") or {}
-  if not isinstance(eng, dict) or set(eng) - {"kind", "cells_at_once"}:
-    raise ConfigError(f"study key 'engine'={eng!r}: allowed keys kind, cells_at_once")
+  if not isinstance(eng, dict) or set(eng) - {"kind", "cells_at_once", "keep_checkpoints"}:
+    raise ConfigError(f"study key 'engine'={eng!r}: allowed keys kind, cells_at_once, "
+                      "keep_checkpoints")
+  keep = eng.get("keep_checkpoints", False)
+  if not isinstance(keep, bool):
+    raise ConfigError(f"study key 'engine.keep_checkpoints'={keep!r} must be true or false")
   kind = eng.get("kind", "vmap")
   if kind not in ENGINES:
     raise ConfigError(f"study key 'engine.kind'={kind!r}; choose one of {ENGINES}")
@@ -268,7 +274,7 @@ def from_dict(raw: dict, path: Optional[pathlib.Path] = None) -> Study:
   if not isinstance(cao, int) or isinstance(cao, bool) or cao < 1:
     raise ConfigError(f"study key 'engine.cells_at_once'={cao!r} must be an integer >= 1")
   st = Study(name, path, base, arms, baseline, list(cb), seeds, best, dict(grid), kind, cao,
-             raw)
+             keep, raw)
   cells = st.search_cells() + [c for a in arms for g in st.grid_points()
                                for c in st.best_lr_cells(a, g, st.lrs(a)[0])]
   built = set()
@@ -313,6 +319,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
       arm = out.setdefault("arms", {}).setdefault(parts[1], {}) or {}
       out["arms"][parts[1]] = arm
       arm[".".join(parts[2:])] = val
+      continue
+    if parts[0] == "grid" and len(parts) > 1:  # grid.section.key: one dotted grid key
+      grid = out.get("grid") or {}
+      grid[".".join(parts[1:])] = val
+      out["grid"] = grid
       continue
     set_dotted(out, key, val)
   return out

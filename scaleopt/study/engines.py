@@ -29,8 +29,13 @@ def single_device(cfg: TrainConfig) -> bool:
 
 
 def gradient_passes(cfg: TrainConfig, spec, steps: int) -> float:
-  """Sequences through forward + backward: steps x batch x groups x sweeps per step."""
-  return float(steps * cfg.data.batch_size * spec.num_groups * bridge.passes_per_step(spec))
+  """Sequences through forward + backward: steps x batch x groups x sweeps per step, where
+  Sophia's curvature pass (one more sweep every ``refresh_every`` steps) counts for std and BC
+  forms alike."""
+  sweeps = bridge.passes_per_step(spec)
+  if spec.estimator in ("gnb", "hutchinson") and spec.layout != "rolling_b":
+    sweeps += 1.0 / spec.refresh_every
+  return float(steps * cfg.data.batch_size * spec.num_groups * sweeps)
 
 
 def _result(cfg, spec, summ: dict, status: str, val: float, test: float, engine: str) -> dict:

@@ -6,7 +6,8 @@ Folder layout (``--out DIR``)::
   DIR/cells/<arm>/<k=v,...,lr=..,seed=..>/
       cell.json                  the cell and its config fingerprint (checked on every run)
       config.yaml metrics.jsonl summary.json checkpoints/ [loss.png]   (a training run)
-      result.json                written last: the cell is finished
+      result.json                written last: the cell is finished (its checkpoints are then
+                                 deleted unless engine.keep_checkpoints)
   DIR/results.csv DIR/summary.md DIR/curves.png DIR/lr.png
 
 A cell with ``result.json`` is skipped; one with checkpoints resumes from the latest. Cells of
@@ -24,6 +25,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import signal
 import sys
 import threading
@@ -37,6 +39,10 @@ from scaleopt.study import report
 from scaleopt.study.config import Cell, ConfigError, Study
 
 EXIT_OK, EXIT_CONFIG, EXIT_SIGNAL = 0, 2, 143
+# Optimizers whose step has no data-dependent branch. Sophia's curvature refresh and Shampoo's
+# root / statistics steps sit under ``lax.cond``; under ``vmap`` the step counter is batched
+# and both branches would run every step, so their cells go one at a time (still one compile).
+VMAP_SAFE = ("adamw", "adamw_bc", "muon")
 
 
 def cell_dir(out: pathlib.Path, cell: Cell) -> pathlib.Path:
@@ -98,7 +104,7 @@ def conditions(st: Study) -> list[tuple]:
 def units(st: Study, cells: list[Cell], out: pathlib.Path) -> list[list[Cell]]:
   """Cells grouped for execution: with the vmap engine, cells of one compile group (equal
   config up to lr and seed) and equal checkpoint step, at most ``cells_at_once`` per unit
-  (one for optimizers with periodic estimator passes); with the loop engine, one cell each."""
+  (one for optimizers outside ``VMAP_SAFE``); with the loop engine, one cell each."""
   if st.engine == "loop":
     return [[c] for c in cells]
   groups: dict = {}
@@ -108,15 +114,9 @@ def units(st: Study, cells: list[Cell], out: pathlib.Path) -> list[list[Cell]]:
     groups.setdefault(k, []).append(c)
   out_units = []
   for (gk, _), cs in groups.items():
-    size = 1 if _has_estimator(st.cell_config(cs[0])) else st.cells_at_once
+    size = st.cells_at_once if st.cell_config(cs[0]).optimizer["name"] in VMAP_SAFE else 1
     out_units += [cs[i:i + size] for i in range(0, len(cs), size)]
   return out_units
-
-
-def _has_estimator(cfg) -> bool:
-  from scaleopt.train import bridge
-  _, spec, _ = bridge.build_optimizer(cfg.optimizer, wd_mask=None, sparse_filter=None)
-  return spec.estimator is not None
 
 
 class _Stop:
@@ -180,6 +180,8 @@ def run_unit(st: Study, cells: list[Cell], out: pathlib.Path, stop: _Stop) -> li
     if r["status"] != "interrupted":
       write_result(d, {"id": c.id, "arm": c.arm, **dict(c.grid), "lr": c.lr, "seed": c.seed,
                        "stage": c.stage, **r})
+      if not st.keep_checkpoints:
+        shutil.rmtree(d / "checkpoints", ignore_errors=True)
   print(f"[study {st.name}] {len(cells)} cell(s) in {time.time() - t0:.0f} s: "
         + ", ".join(f"{c.id} {r['status']} val {r.get('val_loss', math.nan):.4f}"
                     for c, r in zip(cells, res)), flush=True)

@@ -17,7 +17,8 @@ A group of C cells then runs as
 with the batch broadcast (``None``) when all cells share a seed. One compile serves every
 learning rate and seed of a group, whatever C. C = 1 skips ``vmap`` (same compiled-once step):
 under ``vmap`` a ``lax.cond`` whose predicate is batched runs both branches, so optimizers with
-periodic estimator passes (Sophia's curvature, Shampoo's roots) run one cell at a time.
+periodic branches (Sophia's curvature refresh, Shampoo's roots) run one cell at a time
+(``runner.VMAP_SAFE``).
 
 Each cell keeps its own folder in the format of ``scaleopt.train.loop``: ``config.yaml``,
 ``metrics.jsonl``, ``summary.json``, Orbax ``checkpoints/`` with the cell's ``TrainState``

@@ -41,9 +41,11 @@ def test_bc_tiny_expands_to_2x2x2_ordinary_configs():
 def test_grid_per_arm_lrs_best_lr_seeds_and_overrides():
   raw = _raw()
   raw["arms"]["adamw_bc"]["learning_rates"] = [1e-3, 2e-3, 4e-3]
-  raw["grid"] = {"data.microbatches": [2, 4]}
   raw["best_lr_seeds"] = [0, 1, 2, 3]
-  st = SC.from_dict(SC.apply_overrides(raw, ["run.steps=7", "seeds=[5]"]), BC_TINY)
+  st = SC.from_dict(SC.apply_overrides(raw, ["run.steps=7", "seeds=[5]",
+                                             "grid.data.microbatches=[2, 4]",
+                                             "arms.adamw.optimizer.weight_decay=0.0"]), BC_TINY)
+  assert st.cell_config(st.search_cells()[0]).optimizer["weight_decay"] == 0.0
   cells = st.search_cells()
   assert len(cells) == 2 * 1 * 2 + 3 * 1 * 2  # (adamw 2 lrs + bc 3 lrs) x 1 seed x 2 grid
   assert all(st.cell_config(c).run.steps == 7 for c in cells)
@@ -109,3 +111,13 @@ def test_shards_split_conditions_and_cover_everything():
         assert not {c.condition for c in p} & {c.condition for c in q}
   only = runner.select(st, cells, None, ["adamw_bc/*lr=0.01*"])
   assert {c.arm for c in only} == {"adamw_bc"} and {c.lr for c in only} == {1e-2}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "studies").glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_shipped_studies_validate(path):
+  st = SC.load(path)  # every cell's config and every optimizer section build
+  assert st.name == path.stem and st.name.startswith(("bc_", "scale_vectors_"))
+  assert st.baseline in st.arms and len(st.search_cells()) >= 8
+  if st.best_lr_seeds:
+    assert len(set(st.seeds) | set(st.best_lr_seeds)) >= 3
