@@ -198,12 +198,13 @@ def summary_md(st, rows: list[dict], conds: list[Condition], n_planned: int) -> 
       d = paired_interval(c.test, b.test)
       diff, ver = d.fmt(signed=True), verdict(d)
       if c.passes and b.passes and not math.isclose(c.passes, b.passes):
-        eq = "no equal-pass baseline"
+        found = []
         for cb in st.compute_baselines:
           o = by.get((cb, c.grid))
           if cb != c.arm and o and o.passes and math.isclose(o.passes, c.passes):
             de = paired_interval(c.test, o.test)
-            eq = f"vs {cb}: {de.fmt(signed=True)} {verdict(de)}"
+            found.append(f"vs {cb}: {de.fmt(signed=True)} {verdict(de)}")
+        eq = "; ".join(found) or "no equal-pass baseline"
     if b is not None and c.passes and b.passes:
       ratio = f"{c.passes / b.passes:g}x"
     n_bad = sum(not _finite(v) for v in c.test.values())

@@ -120,31 +120,38 @@ def units(st: Study, cells: list[Cell], out: pathlib.Path) -> list[list[Cell]]:
 
 
 class _Stop:
-  """The study's stop flag: a deadline (``--max-minutes``) or SIGTERM/SIGINT between cells.
+  """The study's stop flag: a deadline (``--max-minutes``) or SIGTERM/SIGINT.
 
-  While a loop-engine cell trains, ``scaleopt.train.loop`` owns SIGTERM/SIGINT (it checkpoints
-  and raises ``Interrupted``); at the deadline a timer sends this process SIGTERM, which the
-  loop turns into a clean checkpointed stop, or this handler into the flag between cells.
+  The vmap engine polls the flag every step. While a loop-engine cell trains,
+  ``scaleopt.train.loop`` owns SIGTERM/SIGINT (it checkpoints and raises ``Interrupted``), so
+  at the deadline a watcher thread sends this process one SIGTERM if, and only if, the loop's
+  handler is installed (a second signal would make the loop exit at once); between cells the
+  flag alone stops the study.
   """
 
   def __init__(self, max_minutes: Optional[float]):
     self.deadline = time.time() + 60 * max_minutes if max_minutes else None
     self.signal, self.expired = None, False
-    self._old, self._timer = {}, None
+    self._old, self._thread, self._done = {}, None, threading.Event()
+    self._handler = self._handle  # one bound-method object, to recognise it in getsignal
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
       for sig in (signal.SIGTERM, signal.SIGINT):
-        self._old[sig] = signal.signal(sig, self._handle)
+        self._old[sig] = signal.signal(sig, self._handler)
     if self.deadline is not None:
-      self._timer = threading.Timer(max(0.0, self.deadline - time.time()), self._expire)
-      self._timer.daemon = True
-      self._timer.start()
+      self._thread = threading.Thread(target=self._watch, daemon=True)
+      self._thread.start()
     return self
 
-  def _expire(self) -> None:
-    self.expired = True
-    os.kill(os.getpid(), signal.SIGTERM)
+  def _watch(self) -> None:
+    while not self._done.wait(min(1.0, max(0.0, self.deadline - time.time()))):
+      if time.time() < self.deadline:
+        continue
+      self.expired = True
+      if self._old and signal.getsignal(signal.SIGTERM) is not self._handler:
+        os.kill(os.getpid(), signal.SIGTERM)  # the training loop's handler: checkpoint, stop
+        return
 
   def _handle(self, signum, _frame):
     if not self.expired:
@@ -154,9 +161,13 @@ class _Stop:
     return self.signal is not None or self.expired or (
         self.deadline is not None and time.time() >= self.deadline)
 
+  def reason(self) -> Optional[str]:
+    if self.signal is not None:
+      return self.signal
+    return "deadline" if self() else None
+
   def __exit__(self, *exc):
-    if self._timer is not None:
-      self._timer.cancel()
+    self._done.set()
     for sig, old in self._old.items():
       signal.signal(sig, old)
 
@@ -174,7 +185,8 @@ def run_unit(st: Study, cells: list[Cell], out: pathlib.Path, stop: _Stop) -> li
   if st.engine == "vmap" and engines.single_device(cfgs[0]):
     res = engines.run_vmapped(cfgs, dirs, step, stop, key=study_config.group_key(cfgs[0]))
   else:
-    res = [engines.run_loop(cfg, d, step is not None or latest_checkpoint(d) is not None)
+    res = [{"status": "interrupted"} if stop() else
+           engines.run_loop(cfg, d, latest_checkpoint(d) is not None)
            for cfg, d in zip(cfgs, dirs)]
   for c, d, r in zip(cells, dirs, res):
     if r["status"] != "interrupted":
@@ -235,9 +247,11 @@ def run_study(st: Study, out: pathlib.Path, *, cells: Optional[list[str]] = None
         ran += n_done
         progress |= n_done > 0
         if n_done < len(u):
+          if not stop():  # the training loop caught SIGTERM/SIGINT itself
+            stop.signal = "SIGTERM/SIGINT"
           break
       if stop():
-        stopped = stop.signal or "deadline"
+        stopped = stop.reason()
         break
       if not progress:
         break
@@ -265,4 +279,4 @@ def study_main(config: str, out: str, overrides: Optional[list[str]] = None,
   if res["stopped"]:
     msg += f" (stopped: {res['stopped']}; rerun the same command to continue)"
   print(f"{msg}; report in {out}/summary.md")
-  return EXIT_SIGNAL if res["stopped"] in ("SIGTERM", "SIGINT") else EXIT_OK
+  return EXIT_SIGNAL if res["stopped"] not in (None, "deadline") else EXIT_OK

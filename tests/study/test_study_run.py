@@ -62,13 +62,17 @@ def test_bc_tiny_study(tmp_path, capsys):
   assert "0 cell(s) trained now, 0 left" in capsys.readouterr().out
   assert _rows(out) == rows
 
-  # One cell again as an ordinary, uninterrupted training run (loop engine): the vmapped,
-  # interrupted-and-resumed cell matches it.
+  # One cell again as an ordinary training run (loop engine), cut by the deadline (the loop
+  # checkpoints and stops) and resumed: the vmapped, interrupted-and-resumed cell matches it.
   ref = tmp_path / "ref"
-  assert cli.main(["study", "--config", BC_TINY, "--out", str(ref), "--set", "engine.kind=loop",
-                   "--cells", CELL]) == 0
+  args = ["study", "--config", BC_TINY, "--out", str(ref), "--set", "engine.kind=loop",
+          "--cells", CELL]
+  assert cli.main(args + ["--max-minutes", "0.01"]) == 0
+  assert "0 cell(s) trained now, 1 left" in capsys.readouterr().out
+  assert list((ref / "cells" / CELL / "checkpoints").iterdir())
+  assert cli.main(args) == 0
   want = _rows(ref)[CELL]
   assert want["engine"] == "loop" and rows[CELL]["engine"] == "vmap"
   for k in ("val_loss", "test_loss", "train_loss"):
     assert float(rows[CELL][k]) == pytest.approx(float(want[k]), rel=1e-4), k
-  assert json.loads((ref / "cells" / CELL / "summary.json").read_text())["resumed_from"] is None
+  assert json.loads((ref / "cells" / CELL / "summary.json").read_text())["resumed_from"] >= 1

@@ -1,0 +1,75 @@
+"""The report on synthetic finished cells: lr chosen on val (not test), paired differences,
+the equal-gradient-pass comparison and the stage-2 plan."""
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from scaleopt.study import config as SC
+from scaleopt.study import report, runner
+
+from test_study_config import BC_TINY, _raw
+
+
+def _study():
+  raw = _raw()
+  raw["arms"]["adamw_2x"] = {"optimizer.name": "adamw", "run.steps": 60}
+  raw["compute_baselines"] = ["adamw_2x"]
+  raw["seeds"] = [0, 1]
+  raw["best_lr_seeds"] = [0, 1, 2]
+  return SC.from_dict(raw, BC_TINY)
+
+
+def _write(out, st, cell, val, test, passes):
+  d = runner.cell_dir(out, cell)
+  d.mkdir(parents=True)
+  runner.write_result(d, {"id": cell.id, "arm": cell.arm, "lr": cell.lr, "seed": cell.seed,
+                          "stage": cell.stage, "status": "ok", "steps": 30, "tokens": 1,
+                          "gradient_passes": passes, "val_loss": val, "test_loss": test,
+                          "train_loss": 1.0, "wall_time_s": 1.0, "tokens_per_s": 1.0,
+                          "cells_at_once": 1, "engine": "vmap", "card": "cpu"})
+
+
+def test_selection_on_val_paired_differences_and_stage_two(tmp_path):
+  st = _study()
+  passes = {"adamw": 240.0, "adamw_bc": 480.0, "adamw_2x": 480.0}
+  rng = np.random.default_rng(0)
+  seed_eff = {s: rng.normal(0, 0.3) for s in range(3)}
+  # val prefers lr 1e-2 for every arm, test would prefer 3e-3: the report must pick 1e-2.
+  level = {"adamw": 3.0, "adamw_bc": 2.9, "adamw_2x": 2.8}
+  truth = {}
+  for c in st.search_cells():
+    good = c.lr == 1e-2
+    val = level[c.arm] + seed_eff[c.seed] + (0.0 if good else 0.5)
+    test = level[c.arm] + seed_eff[c.seed] + (0.0 if good else -0.5) + rng.normal(0, 0.01)
+    truth[(c.arm, c.lr, c.seed)] = test
+    _write(tmp_path, st, c, val, test, passes[c.arm])
+  todo = runner.plan(st, tmp_path)  # the search is complete: seed 2 at each best lr is next
+  assert sorted((c.arm, c.lr, c.seed, c.stage) for c in todo) == sorted(
+      (a, 1e-2, 2, 2) for a in st.arms)
+  for c in todo:
+    test = level[c.arm] + seed_eff[c.seed] + rng.normal(0, 0.01)
+    truth[(c.arm, c.lr, c.seed)] = test
+    _write(tmp_path, st, c, level[c.arm] + seed_eff[c.seed], test, passes[c.arm])
+  assert runner.plan(st, tmp_path) == []
+
+  conds = report.write_report(st, tmp_path)
+  assert {c.arm: c.best_lr for c in conds} == {a: 1e-2 for a in st.arms}
+  # independent reference: numpy/scipy on the per-seed differences at lr 1e-2
+  d = np.array([truth[("adamw_bc", 1e-2, s)] - truth[("adamw", 1e-2, s)] for s in range(3)])
+  half = sps.t.ppf(0.975, 2) * d.std(ddof=1) / math.sqrt(3)
+  summary = (tmp_path / "summary.md").read_text()
+  row = next(l for l in summary.splitlines() if l.startswith("| adamw_bc |"))
+  assert f"{d.mean():+.4f} [{d.mean() - half:+.4f}, {d.mean() + half:+.4f}]" in row
+  assert "lower" in row.split("|")[7]  # -0.1 nats with a tiny spread: beyond the interval
+  e = np.array([truth[("adamw_bc", 1e-2, s)] - truth[("adamw_2x", 1e-2, s)] for s in range(3)])
+  assert f"vs adamw_2x: {e.mean():+.4f}" in row and "higher" in row.split("|")[-2]
+  assert "| 2x |" in row
+  with (tmp_path / "results.csv").open() as fh:
+    rows = list(csv.DictReader(fh))
+  assert len(rows) == len(st.search_cells()) + 3
+  assert {r["stage"] for r in rows} == {"1", "2"}
