@@ -48,7 +48,8 @@ LR_KEY, SEED_KEY = "optimizer.learning_rate", "run.seed"
 # Keys that do not change what a cell computes (output cadence, devices); ignored when a cell
 # folder is checked against the study.
 COSMETIC = ("run.progress", "run.tensorboard", "run.plot", "run.async_checkpoint",
-            "run.peak_flops", "run.keep_checkpoints", "run.checkpoint_every", "mesh.")
+            "run.peak_flops", "run.keep_checkpoints", "run.checkpoint_every", "run.wandb",
+            "run.wandb.", "run.profile", "run.profile.", "mesh.")
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
 
