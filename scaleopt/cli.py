@@ -1,18 +1,20 @@
 """The one command line of scaleopt.
 
   scaleopt train --config NAME_OR_YAML --out RUN_DIR [--set a.b=v ...] [--resume]
-                 [--print-config]
+                 [--print-config] [--dry-run]
   scaleopt sweep --config NAME_OR_YAML --out DIR [--set a.b=v ...]
   scaleopt study --config NAME_OR_YAML --out DIR [--set a.b=v ...] [--cells GLOB ...]
                  [--max-minutes M] [--shard i/n] [--report-only]
   scaleopt data prepare --input TEXT_OR_DIR --out DIR [--tokenizer bytes|bpe:VOCAB|tokenizer.json]
   scaleopt convert import --hf HF_DIR --out PARAMS_DIR      (Qwen2/Llama safetensors -> Orbax)
   scaleopt convert export --from RUN_OR_PARAMS_DIR --out HF_DIR [--step N] [--dtype bfloat16]
-  scaleopt bias-study [--out docs/results.md]
+  scaleopt bias-study [--out results/bias_reduction.md]
   scaleopt run-default --out results        (what `make run` runs)
 
 --config takes a file or a shipped config's name (`tiny`, `optim/adamw`, `small`,
-`studies/bc_tiny`; see scaleopt/config.py). Subcommands import their package lazily so that `scaleopt --help` is instant.
+`studies/bc_tiny`; see scaleopt/config.py). Subcommands import their package lazily so that
+`scaleopt --help` is instant. Bad input (config, data, paths, a full disk) ends with one line
+`error: ...` on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def _train(args: argparse.Namespace) -> int:
   if not args.out:
     print("error: scaleopt train needs --out RUN_DIR (or --print-config)", file=sys.stderr)
     return 2
-  return train_main(args.config, args.out, overrides=args.set, resume=args.resume) or 0
+  return train_main(args.config, args.out, overrides=args.set, resume=args.resume,
+                    dry_run=args.dry_run) or 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -143,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--resume", action="store_true", help="continue from RUN_DIR's last checkpoint")
   t.add_argument("--print-config", action="store_true",
                  help="print the resolved config (file + overrides + defaults) and exit")
+  t.add_argument("--dry-run", action="store_true",
+                 help="check config, data, --out and the traced step; train and write nothing")
   t.set_defaults(fn=_train)
 
   s = sub.add_parser("sweep", help="run a scaling-exponent sweep from a config file")
@@ -192,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
   ce.set_defaults(fn=_convert)
 
   b = sub.add_parser("bias-study", help="measure the bias of std/cf/inv/full updates")
-  b.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
+  b.add_argument("--out", default="results/bias_reduction.md")
   b.add_argument("--quick", action="store_true")
   b.set_defaults(fn=_bias_study)
 
@@ -202,9 +207,23 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+def _is_user_error(e: BaseException) -> bool:
+  """Errors that name a bad input or a full / read-only disk rather than a bug."""
+  from scaleopt.train.checkpoint import CheckpointError
+  from scaleopt.train.config import ConfigError
+  from scaleopt.train.data import DataError
+  return isinstance(e, (ConfigError, DataError, CheckpointError, OSError))
+
+
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  return args.fn(args)
+  try:
+    return args.fn(args)
+  except Exception as e:  # a user error no subcommand reported itself: one line, exit 2
+    if not _is_user_error(e):
+      raise
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

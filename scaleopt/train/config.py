@@ -17,8 +17,11 @@ objects, so every error comes before anything compiles.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import pathlib
 import re
+import time
 import typing
 from typing import Any, Literal, Optional
 
@@ -144,9 +147,11 @@ def _check_optimizer(opt: Any, steps: int) -> dict:
   if not isinstance(sched, dict):
     raise ConfigError(f"config key 'optimizer.schedule' must be a mapping, got {sched!r}")
   opt["schedule"] = {**sched, "total_steps": sched.get("total_steps", steps)}
+  from scaleopt.optim.build import build
   from scaleopt.train.bridge import optimizer_config
   try:
     optimizer_config(opt)
+    build(opt)  # pure Python: checks the values of ``extra`` too (nothing is traced)
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config section 'optimizer': {e}") from None
   return opt
@@ -171,6 +176,18 @@ def _positive(key: str, value: int, allow_zero: bool = False):
     raise ConfigError(f"config key '{key}'={value!r} must be {'>= 0' if allow_zero else '> 0'}")
 
 
+def _check_finite(node: Any, key: str = "") -> None:
+  """No NaN or infinity anywhere (YAML reads ``.nan``/``.inf``; nothing accepts them)."""
+  if isinstance(node, float) and not math.isfinite(node):
+    raise ConfigError(f"config key '{key}'={node!r} is not allowed; expected a finite number")
+  if isinstance(node, dict):
+    for k, v in node.items():
+      _check_finite(v, f"{key}.{k}" if key else str(k))
+  elif isinstance(node, list):
+    for i, v in enumerate(node):
+      _check_finite(v, f"{key}[{i}]")
+
+
 def from_dict(raw: dict) -> TrainConfig:
   """Validates a raw mapping (as loaded from YAML) and returns a TrainConfig."""
   if not isinstance(raw, dict):
@@ -179,6 +196,7 @@ def from_dict(raw: dict) -> TrainConfig:
   for k in raw:
     if k not in allowed:
       raise ConfigError(f"unknown config section '{k}'; allowed: {sorted(allowed)}")
+  _check_finite(raw)
   secs = {k: _section(k, cls, raw.get(k)) for k, cls in _SECTIONS.items()}
   r, d, m = secs["run"], secs["data"], secs["mesh"]
   for k in ("steps", "log_every", "keep_checkpoints", "max_consecutive_skips"):
@@ -262,3 +280,82 @@ def load_config(path: str | pathlib.Path, overrides: list[str] | None = None) ->
 
 def dump_config(cfg: TrainConfig, path: str | pathlib.Path) -> None:
   pathlib.Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# Resuming with a changed config.
+
+# Keys a resumed run may change: when and how much to train, log, evaluate and checkpoint, the
+# schedule's end, and the device layout. Anything else (seed, data, model, optimizer) would
+# make the continued run a different experiment than its checkpoints.
+RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_batches",
+             "run.checkpoint_every", "run.keep_checkpoints", "run.async_checkpoint",
+             "run.max_consecutive_skips", "run.progress", "run.tensorboard", "run.plot",
+             "run.peak_flops", "optimizer.schedule.total_steps", "mesh.data", "mesh.fsdp",
+             "mesh.tensor", "mesh.distributed")
+HISTORY = "config_history.jsonl"
+
+
+def _flat(d: Any, key: str = "") -> dict:
+  if not isinstance(d, dict) or (key and not d):
+    return {key: d}
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{key}.{k}" if key else str(k)))
+  return out
+
+
+def config_changes(saved: dict, requested: dict) -> dict[str, tuple]:
+  """{dotted key: (saved value, requested value)} for every key that differs."""
+  a, b = _flat(saved), _flat(requested)
+  return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def saved_config(run_dir: str | pathlib.Path) -> Optional[dict]:
+  """The config a run last trained with: ``config.yaml`` (written when the run started, never
+  rewritten) with the changes of ``config_history.jsonl`` applied; None if there is none."""
+  d = pathlib.Path(run_dir)
+  try:
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+  except FileNotFoundError:
+    return None
+  except (OSError, yaml.YAMLError) as e:
+    raise ConfigError(f"cannot read {str(d / 'config.yaml')!r} ({e})") from None
+  if (d / HISTORY).exists():
+    for line in (d / HISTORY).read_text().splitlines():
+      try:
+        changes = json.loads(line)["changes"] if line.strip() else {}
+      except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{str(d / HISTORY)!r} has a corrupt line: {line[:80]!r}") from None
+      for key, (_, new) in changes.items():
+        node = cfg
+        *path, last = key.split(".")
+        for p in path:
+          node = node.setdefault(p, {})
+        node[last] = new
+  return cfg
+
+
+def check_resume(cfg: TrainConfig, run_dir: str | pathlib.Path) -> dict[str, tuple]:
+  """Compares the requested config with the run's saved one (reads only); returns the
+  resumable changes, raises ConfigError naming every other changed key."""
+  saved = saved_config(run_dir)
+  if saved is None:
+    return {}
+  changes = config_changes(saved, yaml.safe_load(yaml.safe_dump(cfg.to_dict())))
+  bad = [k for k in changes if k not in RESUMABLE]
+  if bad:
+    what = ", ".join(f"{k} ({changes[k][0]!r} -> {changes[k][1]!r})" for k in bad)
+    raise ConfigError(f"cannot resume {str(run_dir)!r} with a changed {what}: only "
+                      f"{', '.join(RESUMABLE)} may change on resume; use a new --out for "
+                      "a different experiment")
+  return changes
+
+
+def record_changes(run_dir: str | pathlib.Path, changes: dict, step: int) -> None:
+  """Appends one line ``{"time", "step", "changes": {key: [old, new]}}`` to the history."""
+  if changes:
+    rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "step": step,
+           "changes": {k: list(v) for k, v in changes.items()}}
+    with open(pathlib.Path(run_dir) / HISTORY, "a") as f:
+      f.write(json.dumps(rec) + "\n")

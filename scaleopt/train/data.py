@@ -36,6 +36,7 @@ import collections
 import json
 import os
 import pathlib
+import shutil
 import sys
 import sysconfig
 import zlib
@@ -151,7 +152,22 @@ def read_shard(bin_path: pathlib.Path) -> tuple[np.ndarray, dict]:
                     f"header says {n} tokens x {dtype.itemsize} bytes = {n * dtype.itemsize}")
   if n == 0:
     return np.zeros((0,), dtype), head
-  return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,)), head
+  arr = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,))
+  check_token_range(arr, int(head["vocab_size"]), bin_path)
+  return arr, head
+
+
+def check_token_range(arr: np.ndarray, vocab_size: int, path, chunk: int = 1 << 24) -> None:
+  """DataError naming the file and the first position of a token >= ``vocab_size``.
+
+  Reads the shard once, ``chunk`` tokens at a time (about 1 s per GB from the page cache).
+  """
+  for i in range(0, arr.size, chunk):
+    part = np.asarray(arr[i:i + chunk])
+    if part.size and part.max() >= vocab_size:
+      j = int(np.argmax(part >= vocab_size))
+      raise DataError(f"token shard {str(path)!r} holds token {int(part[j])} at position "
+                      f"{i + j}, outside its header's vocab_size={vocab_size}")
 
 
 def load_shards(directory: str | pathlib.Path, split: str) -> tuple[list[np.ndarray], int]:
@@ -306,11 +322,33 @@ def prepare(inp: str | pathlib.Path, out: str | pathlib.Path, tokenizer: str = "
   return summary
 
 
+def _check_prepare_args(inp: str, out: str, tokenizer: str) -> None:
+  """The command-line arguments, checked before anything is written."""
+  if tokenizer.startswith("bpe:"):
+    try:
+      vocab = int(tokenizer[4:])
+    except ValueError:
+      raise DataError(f"--tokenizer {tokenizer!r}: expected bpe:VOCAB_SIZE with an integer "
+                      "size") from None
+    if not 256 < vocab <= 65536:
+      raise DataError(f"--tokenizer {tokenizer!r}: the BPE vocabulary size must be in "
+                      f"(256, 65536] (256 byte tokens plus at least one merge), got {vocab}")
+  if not pathlib.Path(inp).exists():
+    raise DataError(f"input {inp!r} does not exist")
+  if pathlib.Path(out).exists() and not pathlib.Path(out).is_dir():
+    raise DataError(f"--out {out!r} is a file, not a directory")
+
+
 def prepare_main(input: str, out: str, tokenizer: str = "bytes") -> int:
-  """``scaleopt data prepare``: tokenize and write shards; 0 on success, 2 on bad input."""
+  """``scaleopt data prepare``: tokenize and write shards; 0 on success, 2 on bad input (then
+  an output directory this call created is removed again)."""
+  created = not pathlib.Path(out).exists()
   try:
+    _check_prepare_args(input, out, tokenizer)
     s = prepare(input, out, tokenizer)
-  except DataError as e:
+  except (DataError, ValueError, OSError) as e:
+    if created and pathlib.Path(out).is_dir():
+      shutil.rmtree(out, ignore_errors=True)
     print(f"error: {e}", file=sys.stderr)
     return 2
   skipped = ", ".join(f"{n} {what}" for what, n in sorted(s["skipped"].items()))
@@ -443,6 +481,19 @@ def heldout_part(windows: Windows, part: str) -> Windows:
     raise DataError(f"the held-out split has {windows.n} window(s); a val/test cut needs >= 2")
   lo, hi = (0, half) if part == "val" else (half, windows.n)
   return WindowRange(windows, lo, hi, f"held-out {part}")
+
+
+def fit_eval_batches(windows: Windows, batch_size: int, num: int) -> tuple[int, Optional[str]]:
+  """(batches to use, warning or None): at most as many batches as the split fills without
+  repeating a window (at least one; a split smaller than one batch wraps, with a warning)."""
+  fits = windows.n // batch_size
+  if num <= fits:
+    return num, None
+  use = max(1, fits)
+  return use, (f"the validation split has {windows.n} windows of seq_len + 1 tokens, fewer "
+               f"than run.eval_batches={num} x data.batch_size={batch_size}; evaluating on "
+               + (f"{use} batch(es) instead (no window repeated)" if fits else
+                  "1 batch that repeats windows"))
 
 
 def eval_batches(windows: Windows, batch_size: int, num: int, process_index: int = 0,

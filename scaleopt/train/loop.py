@@ -12,16 +12,18 @@ import os
 import pathlib
 import signal
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Optional
 
 import jax
 import numpy as np
+import optax
 
 from scaleopt import models
-from scaleopt.train import (bridge, checkpoint, convert, data, mesh as mesh_lib, metrics,
-                            step as step_lib)
+from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data,
+                            mesh as mesh_lib, metrics, step as step_lib)
 from scaleopt.train.config import ConfigError, TrainConfig, dump_config
 
 EXIT_OK, EXIT_SKIPS, EXIT_SIGNAL = 0, 3, 143
@@ -219,158 +221,271 @@ class _Meter:
     return self.timed_steps * self.tps_unit / self.train_s if self.train_s > 0 else float("nan")
 
 
+def check_out_dir(out_dir: str | pathlib.Path, resume: bool) -> pathlib.Path:
+  """Reads only: ``--out`` is (or can become) a writable directory, and one that holds
+  checkpoints is reused only with ``--resume``."""
+  out = pathlib.Path(out_dir)
+  probe = out
+  while not probe.exists() and probe != probe.parent:
+    probe = probe.parent
+  if not probe.is_dir():
+    raise ConfigError(f"--out {str(out)!r}: {str(probe)!r} is a file, not a directory")
+  try:  # a real probe: os.access is wrong for root and for read-only mounts
+    tempfile.TemporaryDirectory(dir=probe).cleanup()
+  except OSError as e:
+    raise ConfigError(f"--out {str(out)!r} is not writable ({e.strerror or e} in "
+                      f"{str(probe)!r})") from None
+  ckpt_dir = out / "checkpoints"
+  if not resume and ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
+    raise ConfigError(f"{str(out)!r} already holds checkpoints; pass --resume to continue that "
+                      "run or choose another --out")
+  return out
+
+
+def dry_run(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False) -> str:
+  """Every check a real run makes before its first step, and the traced (not compiled) step;
+  writes nothing. Returns a one-line description."""
+  check_out_dir(out_dir, resume)
+  changes = config_lib.check_resume(cfg, out_dir) if resume else {}
+  s = setup(cfg)
+  fns = compile_fns(s)
+  d = cfg.data
+  groups = s.spec.num_groups
+  shape = (d.microbatches * groups, d.batch_size // d.microbatches, d.seq_len + 1)
+  batch = {"tokens": jax.ShapeDtypeStruct(shape, np.int32)}
+  if s.spec.layout == "rolling_b":
+    batch["b_tokens"] = batch["tokens"]
+  jax.eval_shape(fns.train_step, fns.state_shape, batch)
+  jax.eval_shape(fns.eval_step, fns.state_shape.params,
+                 jax.ShapeDtypeStruct((d.batch_size, d.seq_len + 1), np.int32))
+  n_eval, warn = data.fit_eval_batches(s.val_w, d.batch_size, cfg.run.eval_batches)
+  if warn:
+    print(f"warning: {warn}", file=sys.stderr)
+  extra = f"; resumable changes: {', '.join(changes)}" if changes else ""
+  return (f"config ok: {models.count_params(s.model.cfg):,} parameters, optimizer "
+          f"{cfg.optimizer['name']} ({s.spec.layout}), {s.train_w.n:,} training windows, "
+          f"{n_eval} eval batches, mesh {dict(s.mesh.shape)}{extra}")
+
+
+def _start_outputs(cfg: TrainConfig, out: pathlib.Path, resuming: bool) -> None:
+  """config.yaml is written when a run starts and never rewritten: a resumed run's changes go
+  to config_history.jsonl (``config.record_changes``)."""
+  out.mkdir(parents=True, exist_ok=True)
+  if resuming and (out / "config.yaml").exists():
+    return
+  dump_config(cfg, out / "config.yaml")
+  (out / config_lib.HISTORY).unlink(missing_ok=True)
+
+
 def train(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False,
           s: Optional[Setup] = None) -> dict:
   """Trains (or resumes) one run into ``out_dir``; returns the summary (also summary.json).
 
-  Raises ConfigError / DataError on bad input (before compiling), SkipLimit after
-  ``run.max_consecutive_skips`` non-finite steps in a row and Interrupted on SIGTERM/SIGINT
-  (both after checkpointing the current state).
+  Raises ConfigError / DataError on bad input (before compiling or writing anything; on
+  resume the requested config is compared with the run's first), CheckpointError when no
+  intact checkpoint can be read or one cannot be written, SkipLimit after
+  ``run.max_consecutive_skips`` non-finite steps in a row and Interrupted on SIGTERM/SIGINT.
   """
-  out = pathlib.Path(out_dir)
+  with _Signals() as sig:  # from the start: a signal during set-up stops after the first step
+    return _train(cfg, out_dir, resume, s, sig)
+
+
+@dataclasses.dataclass
+class _Outcome:
+  """What the host loop hands back."""
+  done: int
+  stopped: Optional[int] = None  # step of a non-finite stop
+  interrupted: Optional[str] = None  # signal name
+  stop_saved: bool = True  # the final state was checkpointed
+  last_losses: list = dataclasses.field(default_factory=list)
+  last_row: dict = dataclasses.field(default_factory=dict)
+  eval_loss: float = float("nan")
+
+
+def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> dict:
+  out = check_out_dir(out_dir, resume)
+  changes = config_lib.check_resume(cfg, out) if resume else {}
   s = s or setup(cfg)
   r, d = cfg.run, cfg.data
   is_main = jax.process_index() == 0
   ckpt_dir = out / "checkpoints"
-  if not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
-    raise ConfigError(f"{str(out)!r} already holds checkpoints; pass --resume to continue that "
-                      "run or choose another --out")
-  out.mkdir(parents=True, exist_ok=True)
-  if is_main:
-    dump_config(cfg, out / "config.yaml")
+  n_eval, warn = data.fit_eval_batches(s.val_w, d.batch_size, r.eval_batches)
+  if warn and is_main:
+    print(f"warning: {warn}", file=sys.stderr)
   fns = compile_fns(s)
 
   # Data: training batches in the optimizer's layout, a fixed held-out set on the devices.
   pi, pc = jax.process_index(), jax.process_count()
-  groups, rolling = s.spec.num_groups, s.spec.layout == "rolling_b"
-  it = data.Batches(s.train_w, d.batch_size, d.microbatches, groups=groups, rolling_b=rolling,
-                    seed=r.seed, process_index=pi, process_count=pc)
-  batch_shape = (d.microbatches * groups, d.batch_size // d.microbatches, d.seq_len + 1)
+  it = data.Batches(s.train_w, d.batch_size, d.microbatches, groups=s.spec.num_groups,
+                    rolling_b=s.spec.layout == "rolling_b", seed=r.seed, process_index=pi,
+                    process_count=pc)
   evals = [_put(fns.eval_sh, b, (d.batch_size, d.seq_len + 1))
-           for b in data.eval_batches(s.val_w, d.batch_size, r.eval_batches, pi, pc)]
+           for b in data.eval_batches(s.val_w, d.batch_size, n_eval, pi, pc)]
 
   def evaluate(params) -> float:
     if not evals:
       return float("nan")
     return float(np.mean(jax.device_get([fns.eval_step(params, b) for b in evals])))
 
-  # State: restored from the latest complete checkpoint, or fresh.
-  ckpt = checkpoint.Checkpointer(ckpt_dir, r.keep_checkpoints, r.async_checkpoint)
-  start = ckpt.latest_step() if resume else None
-  if start is not None:
-    state, dstate = ckpt.restore(start, checkpoint.abstract(fns.state_shape, fns.state_sh))
+  # State: the newest intact checkpoint (newer broken ones are moved aside), or fresh.
+  health = jax.jit(lambda st: (st.consec, optax.tree.norm(st.params)))
+  found = None
+  if resume and ckpt_dir.is_dir():
+    ckpt = checkpoint.Checkpointer(ckpt_dir, r.keep_checkpoints, r.async_checkpoint)
+    found = ckpt.restore_latest(checkpoint.abstract(fns.state_shape, fns.state_sh))
+  _start_outputs(cfg, out, found is not None)
+  if found is not None:
+    start, state, dstate = found
     it.restore(dstate)
     print(f"resumed from {ckpt_dir}/{start}", file=sys.stderr)
   else:
     if resume:
       print(f"no checkpoint in {ckpt_dir}; starting from scratch", file=sys.stderr)
+    start = None
     if s.model.init_from:  # a fresh run from given parameters, fresh optimizer state
       state = fns.init_with(convert.init_params(s.model.init_from, s.model.cfg,
                                                 fns.state_sh.params))
     else:
       state = fns.init()
+    ckpt = checkpoint.Checkpointer(ckpt_dir, r.keep_checkpoints, r.async_checkpoint,
+                                   init_norm=float(health(state)[1]))
   step0 = int(jax.device_get(state.step))
+  if is_main and changes:
+    config_lib.record_changes(out, changes, step0)
+    print("resuming with changed " + ", ".join(f"{k} ({a!r} -> {b!r})" for k, (a, b) in
+                                               changes.items()), file=sys.stderr)
+
+  def save(st, step: int, only_if_sound: bool = False) -> bool:
+    consec, norm = jax.device_get(health(st))
+    if only_if_sound and ckpt.exploded(float(norm)):
+      return False
+    ckpt.save(step, st, it.state(), consec=int(consec), param_norm=float(norm))
+    return True
+
   log = metrics.MetricsLog(out, resume_step=step0 if start is not None else None,
                            tensorboard=r.tensorboard, enabled=is_main, wandb=r.wandb,
                            config=cfg.to_dict())
   prof = metrics.Profile(out / "profile", r.profile)
-
-  tokens_per_step = groups * d.batch_size * d.seq_len  # distinct tokens (rolling-B: new A)
-  flops_per_token = models.flops_per_token(s.model.cfg, d.seq_len) * bridge.passes_per_step(s.spec)
-  peak = peak_flops(jax.devices()[0], r.peak_flops)
-  peak_all = peak * jax.device_count() if peak else None
-  bar = None
-  if r.progress and is_main:
-    from tqdm import tqdm
-    bar = tqdm(total=r.steps, initial=step0, desc="train", unit="step", dynamic_ncols=True,
-               mininterval=0.5)
-
-  meter = _Meter(tokens_per_step)
-  pending: list[dict] = []  # device metrics of the steps since the last log
-  prev_consec = None  # previous step's consecutive-skip counter (read one step behind)
-  last_losses: list[float] = []
-  last_row: dict = {}
-  eval_loss = float("nan")
-  stopped = interrupted = None
-  done = step0
-  with _Signals() as sig:
-    for t in range(step0, r.steps):
-      batch = {k: _put(fns.batch_sh, v, batch_shape) for k, v in it.next().items()}
-      prof.before(t)
-      state, m = fns.train_step(state, batch)
-      done = t + 1
-      prof.after(done, m["loss"])
-      if meter.compile_s is None:
-        jax.block_until_ready(m["loss"])
-        meter.first_step_done(done)
-      pending.append(m)
-      if prev_consec is not None and int(prev_consec) >= r.max_consecutive_skips:
-        stopped = done
-      prev_consec = m["consec"]
-      interrupted = sig.caught
-      halt = stopped is not None or interrupted is not None
-      is_eval = (r.eval_every and done % r.eval_every == 0) or done == r.steps
-      if done % r.log_every == 0 or is_eval or halt:
-        fetched = jax.device_get(pending)
-        pending = []
-        tps = meter.interval(done)
-        last_losses = [float(x["loss"]) for x in fetched]
-        row = {"step": done, **{k: float(v) for k, v in fetched[-1].items()},
-               "tokens": done * tokens_per_step, "tokens_per_s": tps}
-        row["skipped"], row["consec"] = int(row["skipped"]), int(row["consec"])
-        if peak_all and tps == tps:
-          row["mfu"] = tps * flops_per_token / peak_all
-        if is_eval:
-          row["eval_loss"] = eval_loss = evaluate(state.params)
-          meter.pause_done()
-        log.write(row)
-        log.flush()
-        last_row = row
-        if bar is not None:
-          bar.set_postfix(loss=f"{row['loss']:.3f}",
-                          **({"eval": f"{eval_loss:.3f}"} if is_eval else {}))
-        if row["consec"] >= r.max_consecutive_skips:
-          stopped = done
-      if bar is not None:
-        bar.update(1)
-      if stopped is not None or interrupted is not None:
-        break
-      if r.checkpoint_every and done % r.checkpoint_every == 0 and done != r.steps:
-        ckpt.save(done, state, it.state())
-  if bar is not None:
-    bar.close()
-  prof.close(state.step)
-  if done == step0:  # nothing left to train (resuming a finished run)
-    eval_loss = evaluate(state.params)
-  ckpt.save(done, state, it.state())  # always: the final / last good / interrupted state
-  ckpt.close()
-  log.close()
-
-  tps_run = meter.overall()
-  summary = {
-      "steps": done, "tokens": done * tokens_per_step,
-      "final_train_loss": float(np.mean(last_losses)) if last_losses else None,
-      "final_eval_loss": eval_loss, "wall_time_s": time.time() - meter.t0,
-      "compile_s": meter.compile_s, "tokens_per_s": tps_run,
-      "params": models.count_params(s.model.cfg),
-      "mfu": tps_run * flops_per_token / peak_all if peak_all else None,
-      "skipped_steps": last_row.get("skipped", 0), "optimizer": cfg.optimizer["name"],
-      "layout": s.spec.layout, "sweeps_per_step": bridge.passes_per_step(s.spec),
-      "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
-      "resumed_from": start, "stopped_early": stopped is not None or interrupted is not None,
-      "interrupted_by": interrupted,
-  }
+  meter = _Meter(s.spec.num_groups * d.batch_size * d.seq_len)
+  try:
+    res = _run(cfg, s, fns, state, it, step0, log, meter, prof, save, evaluate, is_main, sig)
+  finally:
+    log.close()
+    ckpt.close()
+  summary = _summary(cfg, s, res, meter, start)
   if is_main:
     metrics.write_summary(out, summary)
     if r.plot:
       metrics.plot_curves({cfg.optimizer["name"]: metrics.read_metrics(out / "metrics.jsonl")},
                           out / "loss.png", title=f"{s.model.cfg.d_model}d x "
                           f"{s.model.cfg.n_layers}L, {cfg.optimizer['name']}")
-  if interrupted is not None:
-    raise Interrupted(f"{interrupted} at step {done}: the state is checkpointed in "
-                      f"{ckpt_dir}/{done}; continue with --resume")
-  if stopped is not None:
-    raise SkipLimit(f"stopped at step {done}: {r.max_consecutive_skips} consecutive steps had "
-                    "a non-finite loss or update (parameters were left untouched); the last "
-                    f"good state is checkpointed in {ckpt_dir}/{done}")
+  if res.interrupted is not None:
+    raise Interrupted(f"{res.interrupted} at step {res.done}: the state is checkpointed in "
+                      f"{ckpt_dir}/{res.done}; continue with --resume")
+  if res.stopped is not None:
+    good = ckpt.last_good_step()
+    where = (f"the state at the stop is checkpointed in {ckpt_dir}/{res.done}" if res.stop_saved
+             else f"the state at the stop is not saved (its parameter norm grew more than "
+             f"{checkpoint.GROWTH:g}x)")
+    keep = (f"; the newest checkpoint from before the trouble, {ckpt_dir}/{good}, is kept"
+            if good is not None else "")
+    raise SkipLimit(f"stopped at step {res.done}: {r.max_consecutive_skips} consecutive steps "
+                    f"had a non-finite loss or update (parameters were left untouched); "
+                    f"{where}{keep}")
   return summary
+
+
+def _flops(cfg: TrainConfig, s: Setup) -> tuple[float, Optional[float]]:
+  """(executed model FLOPs per distinct token, peak FLOP/s of all devices or None)."""
+  per_token = (models.flops_per_token(s.model.cfg, cfg.data.seq_len)
+               * bridge.passes_per_step(s.spec))
+  peak = peak_flops(jax.devices()[0], cfg.run.peak_flops)
+  return per_token, (peak * jax.device_count() if peak else None)
+
+
+def _summary(cfg: TrainConfig, s: Setup, res: _Outcome, meter: _Meter, start) -> dict:
+  flops_per_token, peak_all = _flops(cfg, s)
+  tps_run = meter.overall()
+  return {
+      "steps": res.done, "tokens": res.done * meter.tps_unit,
+      "final_train_loss": float(np.mean(res.last_losses)) if res.last_losses else None,
+      "final_eval_loss": res.eval_loss, "wall_time_s": time.time() - meter.t0,
+      "compile_s": meter.compile_s, "tokens_per_s": tps_run,
+      "params": models.count_params(s.model.cfg),
+      "mfu": tps_run * flops_per_token / peak_all if peak_all else None,
+      "skipped_steps": res.last_row.get("skipped", 0), "optimizer": cfg.optimizer["name"],
+      "layout": s.spec.layout, "sweeps_per_step": bridge.passes_per_step(s.spec),
+      "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
+      "resumed_from": start,
+      "stopped_early": res.stopped is not None or res.interrupted is not None,
+      "interrupted_by": res.interrupted,
+  }
+
+
+def _run(cfg, s, fns, state, it, step0, log, meter, prof, save, evaluate, is_main,
+         sig) -> _Outcome:
+  """The host loop from ``step0`` to ``run.steps`` (or a stop); checkpoints via ``save``."""
+  r, d = cfg.run, cfg.data
+  batch_shape = (d.microbatches * s.spec.num_groups, d.batch_size // d.microbatches,
+                 d.seq_len + 1)
+  flops_per_token, peak_all = _flops(cfg, s)
+  bar = None
+  if r.progress and is_main:
+    from tqdm import tqdm
+    bar = tqdm(total=r.steps, initial=step0, desc="train", unit="step", dynamic_ncols=True,
+               mininterval=0.5)
+  res = _Outcome(done=step0)
+  pending: list[dict] = []  # device metrics of the steps since the last log
+  prev_consec = None  # previous step's consecutive-skip counter (read one step behind)
+  for t in range(step0, r.steps):
+    batch = {k: _put(fns.batch_sh, v, batch_shape) for k, v in it.next().items()}
+    prof.before(t)
+    state, m = fns.train_step(state, batch)
+    res.done = done = t + 1
+    prof.after(done, m["loss"])
+    if meter.compile_s is None:
+      jax.block_until_ready(m["loss"])
+      meter.first_step_done(done)
+    pending.append(m)
+    if prev_consec is not None and int(prev_consec) >= r.max_consecutive_skips:
+      res.stopped = done
+    prev_consec = m["consec"]
+    res.interrupted = sig.caught
+    halt = res.stopped is not None or res.interrupted is not None
+    is_eval = (r.eval_every and done % r.eval_every == 0) or done == r.steps
+    if done % r.log_every == 0 or is_eval or halt:
+      fetched = jax.device_get(pending)
+      pending = []
+      tps = meter.interval(done)
+      res.last_losses = [float(x["loss"]) for x in fetched]
+      row = {"step": done, **{k: float(v) for k, v in fetched[-1].items()},
+             "tokens": done * meter.tps_unit, "tokens_per_s": tps}
+      row["skipped"], row["consec"] = int(row["skipped"]), int(row["consec"])
+      if peak_all and tps == tps:
+        row["mfu"] = tps * flops_per_token / peak_all
+      if is_eval:
+        row["eval_loss"] = res.eval_loss = evaluate(state.params)
+        meter.pause_done()
+      log.write(row)
+      log.flush()
+      res.last_row = row
+      if bar is not None:
+        bar.set_postfix(loss=f"{row['loss']:.3f}",
+                        **({"eval": f"{res.eval_loss:.3f}"} if is_eval else {}))
+      if row["consec"] >= r.max_consecutive_skips:
+        res.stopped = done
+    if bar is not None:
+      bar.update(1)
+    if res.stopped is not None or res.interrupted is not None:
+      break
+    if r.checkpoint_every and done % r.checkpoint_every == 0 and done != r.steps:
+      save(state, done)
+  if bar is not None:
+    bar.close()
+  prof.close(state.step)
+  if res.done == step0:  # nothing left to train (resuming a finished run)
+    res.eval_loss = evaluate(state.params)
+  # Always the final / interrupted state; after a non-finite stop only if it did not blow up
+  # (a stopped state is never healthy, so the newest healthy checkpoint is kept either way).
+  res.stop_saved = save(state, res.done, only_if_sound=res.stopped is not None)
+  return res

@@ -9,14 +9,25 @@ from scaleopt.train.data import DataError
 
 
 def train_main(config_path: str, out_dir: str, overrides: list[str] | None = None,
-               resume: bool = False) -> int:
-  """Runs one training job; returns 0, 2 (bad config/data), 3 (stopped after too many
-  non-finite steps) or 143 (SIGTERM/SIGINT: checkpointed, resume with --resume)."""
-  from scaleopt.train import loop
+               resume: bool = False, dry_run: bool = False) -> int:
+  """Runs one training job; returns 0, 2 (bad config or data, no intact checkpoint, a
+  checkpoint or output that cannot be written), 3 (stopped after too many non-finite steps)
+  or 143 (SIGTERM/SIGINT: checkpointed, resume with --resume). Errors are one line on stderr.
+
+  ``dry_run``: make every check a run makes before its first step, trace the step, write
+  nothing.
+  """
+  from scaleopt.train import checkpoint, loop
   try:
     cfg = load_config(config_path, overrides or [])
+    if dry_run:
+      print(loop.dry_run(cfg, out_dir, resume=resume))
+      return 0
     summary = loop.train(cfg, out_dir, resume=resume)
-  except (ConfigError, DataError) as e:
+  except (ConfigError, DataError, checkpoint.CheckpointError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except OSError as e:  # e.g. the disk filled up while writing metrics
     print(f"error: {e}", file=sys.stderr)
     return 2
   except loop.SkipLimit as e:
@@ -25,7 +36,11 @@ def train_main(config_path: str, out_dir: str, overrides: list[str] | None = Non
   except loop.Interrupted as e:
     print(f"interrupted: {e}", file=sys.stderr)
     return loop.EXIT_SIGNAL
-  ev = summary["final_eval_loss"]
+  if summary["final_train_loss"] is None:  # resumed a finished run: nothing was trained
+    print(f"done: already at step {summary['steps']}, eval loss "
+          f"{summary['final_eval_loss']:.4f}; outputs in {out_dir}")
+    return 0
   print(f"done: {summary['steps']} steps, train loss {summary['final_train_loss']:.4f}, eval "
-        f"loss {ev:.4f}, {summary['tokens_per_s']:.0f} tokens/s; outputs in {out_dir}")
+        f"loss {summary['final_eval_loss']:.4f}, {summary['tokens_per_s']:.0f} tokens/s; "
+        f"outputs in {out_dir}")
   return 0
