@@ -134,7 +134,9 @@ def _section(name: str, cls: type, raw: Any):
 def _check_optimizer(opt: Any, steps: int) -> dict:
   """Validates the optimizer section with ``scaleopt.optim.build.OptimizerConfig`` (its errors
   name the key); fills ``schedule.total_steps`` with ``run.steps`` when absent."""
-  if not isinstance(opt, dict) or "name" not in opt:
+  if not isinstance(opt, dict):
+    raise ConfigError(f"config section 'optimizer' must be a mapping with 'name', got {opt!r}")
+  if "name" not in opt:
     raise ConfigError("config section 'optimizer' needs 'name'; allowed names: "
                       f"{OPTIMIZERS}")
   if opt["name"] not in OPTIMIZERS:
@@ -220,6 +222,13 @@ def from_dict(raw: dict) -> TrainConfig:
   return TrainConfig(model=model, optimizer=opt, **secs)
 
 
+def yaml_error(e: yaml.YAMLError) -> str:
+  """A YAML error on one line: where (1-based line and column) and what."""
+  mark = getattr(e, "problem_mark", None)
+  what = getattr(e, "problem", None) or " ".join(str(e).split())
+  return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark else what
+
+
 def _parse_override(item: str) -> tuple[list[str], Any]:
   if "=" not in item:
     raise ConfigError(f"override {item!r} must look like section.key=value")
@@ -230,7 +239,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
   try:
     parsed = yaml.safe_load(value)
   except yaml.YAMLError as e:
-    raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
+    raise ConfigError(f"override {item!r}: value is not valid YAML ({yaml_error(e)})") from None
   return path, _numbers(parsed)
 
 
@@ -274,7 +283,7 @@ def load_config(path: str | pathlib.Path, overrides: list[str] | None = None) ->
   try:
     raw = yaml.safe_load(p.read_text()) or {}
   except yaml.YAMLError as e:
-    raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    raise ConfigError(f"config file {str(p)!r} is not valid YAML: {yaml_error(e)}") from None
   return from_dict(apply_overrides(_numbers(raw), overrides or []))
 
 

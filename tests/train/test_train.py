@@ -19,7 +19,7 @@ from scaleopt.train import config as C
 from scaleopt.train import data as D
 from scaleopt.train import loop, metrics
 
-from train_helpers import tiny_raw
+from train_helpers import run_until, tiny_raw
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -101,22 +101,9 @@ def test_resume_is_bitwise_equal(reference_run, tmp_path):
 
 def _run_until(cmd, env, run, step, sig):
   """Starts the CLI, sends ``sig`` once metrics.jsonl reaches ``step``; returns (rc, step)."""
-  p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE)
-  sent_at = None
-  deadline = time.time() + 180
-  while time.time() < deadline and p.poll() is None:
-    m = run / "metrics.jsonl"
-    if m.exists():
-      rows = [json.loads(l) for l in m.read_text().splitlines() if l.strip()]
-      if rows and rows[-1]["step"] >= step:
-        p.send_signal(sig)
-        sent_at = rows[-1]["step"]
-        break
-    time.sleep(0.02)
-  p.wait(timeout=120)
-  assert sent_at is not None and sent_at < 24, p.stderr.read().decode()[-2000:]
-  return p.returncode, sent_at
+  rc, sent_at, err = run_until(cmd, run, step, sig, cwd=ROOT, env=env)
+  assert sent_at is not None and sent_at < 24, err[-2000:]
+  return rc, sent_at
 
 
 def test_sigterm_then_sigkill_then_resume(reference_run, tmp_path):

@@ -21,3 +21,29 @@ def tiny_raw(**sections):
   for k, v in sections.items():
     raw.setdefault(k, {}).update(v)
   return raw
+
+
+def run_until(cmd, run, step, sig, cwd, env=None, timeout=180):
+  """Starts ``cmd``, sends ``sig`` once RUN/metrics.jsonl holds a step >= ``step``.
+
+  Returns (exit code, the logged step when the signal went out or None, stderr text).
+  """
+  import json
+  import os
+  import subprocess
+  import time
+  env = env or dict(os.environ, JAX_PLATFORMS="cpu")
+  p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  sent_at = None
+  deadline = time.time() + timeout
+  m = run / "metrics.jsonl"
+  while time.time() < deadline and p.poll() is None:
+    if m.exists():
+      rows = [json.loads(l) for l in m.read_text().splitlines() if l.strip()]
+      if rows and rows[-1]["step"] >= step:
+        p.send_signal(sig)
+        sent_at = rows[-1]["step"]
+        break
+    time.sleep(0.02)
+  _, err = p.communicate(timeout=120)
+  return p.returncode, sent_at, err.decode()
