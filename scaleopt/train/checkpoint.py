@@ -84,6 +84,12 @@ class _DropOrbaxErrors(logging.Filter):
 _FILTER = _DropOrbaxErrors()
 
 
+def _barrier(name: str) -> None:
+  """All processes wait here (multi-host: process 0 writes manifests and moves directories)."""
+  if jax.process_count() > 1:
+    ocp.multihost.sync_global_processes(name)
+
+
 class Checkpointer:
   """Saves, verifies, restores and rotates the checkpoints of one run.
 
@@ -191,6 +197,7 @@ class Checkpointer:
       except OSError as e:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"could not write {step_dir / MANIFEST} ({_one_line(e)})") from None
+    _barrier(f"scaleopt_manifest_{step}")
     self._prune()
 
   def _prune(self) -> None:
@@ -262,6 +269,7 @@ class Checkpointer:
       for b, why in bad:
         self._quarantine(b, why, s)
       if bad:
+        _barrier(f"scaleopt_quarantine_{s}")
         self.mngr.reload()
       return s, state, data_state
     if bad:

@@ -294,14 +294,15 @@ def dump_config(cfg: TrainConfig, path: str | pathlib.Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # Resuming with a changed config.
 
-# Keys a resumed run may change: when and how much to train, log, evaluate and checkpoint, the
-# schedule's end, and the device layout. Anything else (seed, data, model, optimizer) would
-# make the continued run a different experiment than its checkpoints.
+# Keys (and sections, with everything under them) a resumed run may change: when and how much
+# to train, log, evaluate, profile and checkpoint, the schedule's end, the device layout, and
+# ``model.init_from`` (only read by fresh runs). Anything else (seed, data, model, optimizer)
+# would make the continued run a different experiment than its checkpoints.
 RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_batches",
              "run.checkpoint_every", "run.keep_checkpoints", "run.async_checkpoint",
              "run.max_consecutive_skips", "run.progress", "run.tensorboard", "run.plot",
-             "run.peak_flops", "optimizer.schedule.total_steps", "mesh.data", "mesh.fsdp",
-             "mesh.tensor", "mesh.distributed")
+             "run.peak_flops", "run.wandb", "run.profile", "optimizer.schedule.total_steps",
+             "model.init_from", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.distributed")
 HISTORY = "config_history.jsonl"
 
 
@@ -352,7 +353,7 @@ def check_resume(cfg: TrainConfig, run_dir: str | pathlib.Path) -> dict[str, tup
   if saved is None:
     return {}
   changes = config_changes(saved, yaml.safe_load(yaml.safe_dump(cfg.to_dict())))
-  bad = [k for k in changes if k not in RESUMABLE]
+  bad = [k for k in changes if not any(k == r or k.startswith(r + ".") for r in RESUMABLE)]
   if bad:
     what = ", ".join(f"{k} ({changes[k][0]!r} -> {changes[k][1]!r})" for k in bad)
     raise ConfigError(f"cannot resume {str(run_dir)!r} with a changed {what}: only "

@@ -322,17 +322,8 @@ def prepare(inp: str | pathlib.Path, out: str | pathlib.Path, tokenizer: str = "
   return summary
 
 
-def _check_prepare_args(inp: str, out: str, tokenizer: str) -> None:
-  """The command-line arguments, checked before anything is written."""
-  if tokenizer.startswith("bpe:"):
-    try:
-      vocab = int(tokenizer[4:])
-    except ValueError:
-      raise DataError(f"--tokenizer {tokenizer!r}: expected bpe:VOCAB_SIZE with an integer "
-                      "size") from None
-    if not 256 < vocab <= 65536:
-      raise DataError(f"--tokenizer {tokenizer!r}: the BPE vocabulary size must be in "
-                      f"(256, 65536] (256 byte tokens plus at least one merge), got {vocab}")
+def _check_prepare_args(inp: str, out: str) -> None:
+  """The paths, checked before anything is written (the tokenizer spec: ``prepare``)."""
   if not pathlib.Path(inp).exists():
     raise DataError(f"input {inp!r} does not exist")
   if pathlib.Path(out).exists() and not pathlib.Path(out).is_dir():
@@ -344,7 +335,7 @@ def prepare_main(input: str, out: str, tokenizer: str = "bytes") -> int:
   an output directory this call created is removed again)."""
   created = not pathlib.Path(out).exists()
   try:
-    _check_prepare_args(input, out, tokenizer)
+    _check_prepare_args(input, out)
     s = prepare(input, out, tokenizer)
   except (DataError, ValueError, OSError) as e:
     if created and pathlib.Path(out).is_dir():

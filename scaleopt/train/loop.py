@@ -221,9 +221,10 @@ class _Meter:
     return self.timed_steps * self.tps_unit / self.train_s if self.train_s > 0 else float("nan")
 
 
-def check_out_dir(out_dir: str | pathlib.Path, resume: bool) -> pathlib.Path:
-  """Reads only: ``--out`` is (or can become) a writable directory, and one that holds
-  checkpoints is reused only with ``--resume``."""
+def check_out_dir(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool) -> dict:
+  """Reads only: ``--out`` is (or can become) a writable directory, one that holds
+  checkpoints is reused only with ``--resume``, and then only with a config that may resume
+  (``config.check_resume``). Returns the resumable changes."""
   out = pathlib.Path(out_dir)
   probe = out
   while not probe.exists() and probe != probe.parent:
@@ -236,17 +237,17 @@ def check_out_dir(out_dir: str | pathlib.Path, resume: bool) -> pathlib.Path:
     raise ConfigError(f"--out {str(out)!r} is not writable ({e.strerror or e} in "
                       f"{str(probe)!r})") from None
   ckpt_dir = out / "checkpoints"
-  if not resume and ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
+  has_ckpts = ckpt_dir.is_dir() and any(ckpt_dir.iterdir())
+  if has_ckpts and not resume:
     raise ConfigError(f"{str(out)!r} already holds checkpoints; pass --resume to continue that "
                       "run or choose another --out")
-  return out
+  return config_lib.check_resume(cfg, out) if has_ckpts else {}
 
 
 def dry_run(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False) -> str:
   """Every check a real run makes before its first step, and the traced (not compiled) step;
   writes nothing. Returns a one-line description."""
-  check_out_dir(out_dir, resume)
-  changes = config_lib.check_resume(cfg, out_dir) if resume else {}
+  changes = check_out_dir(cfg, out_dir, resume)
   s = setup(cfg)
   fns = compile_fns(s)
   d = cfg.data
@@ -303,8 +304,8 @@ class _Outcome:
 
 
 def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> dict:
-  out = check_out_dir(out_dir, resume)
-  changes = config_lib.check_resume(cfg, out) if resume else {}
+  out = pathlib.Path(out_dir)
+  changes = check_out_dir(cfg, out, resume)
   s = s or setup(cfg)
   r, d = cfg.run, cfg.data
   is_main = jax.process_index() == 0

@@ -9,11 +9,10 @@ import sys
 import jax
 import numpy as np
 import pytest
-import yaml
 
 from scaleopt.train import checkpoint, config as C, loop, metrics
 
-from train_helpers import run_until, tiny_raw
+from train_helpers import reference_run, run_until, tiny_raw
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 24
@@ -25,10 +24,7 @@ RAW = tiny_raw(run={"steps": STEPS, "checkpoint_every": 2, "keep_checkpoints": 2
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  d = tmp_path_factory.mktemp("kill_ref")
-  (d / "cfg.yaml").write_text(yaml.safe_dump(RAW))
-  loop.train(C.from_dict(RAW), d / "run")
-  return d / "cfg.yaml", d / "run"
+  return reference_run(tmp_path_factory.mktemp("kill_ref"), RAW)
 
 
 def _final_params(run):

@@ -47,3 +47,12 @@ def run_until(cmd, run, step, sig, cwd, env=None, timeout=180):
     time.sleep(0.02)
   _, err = p.communicate(timeout=120)
   return p.returncode, sent_at, err.decode()
+
+
+def reference_run(directory, raw):
+  """Trains ``raw`` uninterrupted into DIR/run (config in DIR/cfg.yaml); returns both paths."""
+  import yaml
+  from scaleopt.train import config, loop
+  (directory / "cfg.yaml").write_text(yaml.safe_dump(raw))
+  loop.train(config.from_dict(raw), directory / "run")
+  return directory / "cfg.yaml", directory / "run"
