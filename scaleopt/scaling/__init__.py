@@ -9,6 +9,7 @@ docs/scaling.md. One job per module:
   theory      closed-form loss after T steps, mode counting, anchor exponents
   diagnostic  spectral exponent of a covariance and the predicted alpha gain (`diagnose`)
   corpus      diagnostic inputs: byte statistics, scaleopt.models LM activations, a byte MLP
+  lm_alpha    alpha of L(N) from a language-model study's results.csv
   plots, blas, demo
 
 `scaleopt.scaling.diagnose(X or eigenvalues, table=...)` is re-exported here.
