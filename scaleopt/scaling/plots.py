@@ -6,19 +6,28 @@ import pathlib
 from typing import Sequence
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
+def _panels(k: int):
+  """A grid of k panels, three per row; unused panels switched off."""
+  cols = min(3, k)
+  rows = -(-k // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+  for ax in list(axes.flat)[k:]:
+    ax.axis("off")
+  return fig, axes
+
+
 def plot_loss_vs_n(loss_rows: Sequence[dict], path: pathlib.Path) -> None:
   """One panel per s: seed-mean (excess) loss at the selected hyper-parameters vs N, log-log."""
   svals = sorted({r["s"] for r in loss_rows})
   names = list(dict.fromkeys(r["optimizer"] for r in loss_rows))
-  cols = min(3, len(svals))
-  rows = -(-len(svals) // cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+  fig, axes = _panels(len(svals))
   for ax, s in zip(axes.flat, svals):
     for nm in names:
       pts = [r for r in loss_rows if r["s"] == s and r["optimizer"] == nm]
@@ -31,8 +40,6 @@ def plot_loss_vs_n(loss_rows: Sequence[dict], path: pathlib.Path) -> None:
     ax.set_title(f"s = {s:g}")
     ax.set_xlabel("N (features)")
     ax.set_ylabel("test loss (excess)")
-  for ax in list(axes.flat)[len(svals):]:
-    ax.axis("off")
   axes.flat[0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -95,9 +102,7 @@ def plot_window(alpha_rows: Sequence[dict], path: pathlib.Path) -> None:
   names = list(dict.fromkeys(r["optimizer"] for r in alpha_rows))
   keys = [k for k in alpha_rows[0] if k.startswith("slope_")]
   centre = np.array([np.sqrt(float(k.split("_")[1]) * float(k.split("_")[2])) for k in keys])
-  cols = min(3, len(svals))
-  rows = -(-len(svals) // cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+  fig, axes = _panels(len(svals))
   for ax, s in zip(axes.flat, svals):
     for i, nm in enumerate(names):
       r = next(r for r in alpha_rows if r["s"] == s and r["optimizer"] == nm)
@@ -106,11 +111,11 @@ def plot_window(alpha_rows: Sequence[dict], path: pathlib.Path) -> None:
       if np.isfinite([r["ci_low"], r["ci_high"]]).all():
         ax.axhspan(r["ci_low"], r["ci_high"], color=f"C{i}", alpha=0.12)
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xticks(centre, [f"{c:.0f}" for c in centre])
     ax.set_title(f"s = {s:g}")
-    ax.set_xlabel("N (centre of the sliding window)")
+    ax.set_xlabel("N (geometric centre of the sliding window)")
     ax.set_ylabel("local alpha")
-  for ax in list(axes.flat)[len(svals):]:
-    ax.axis("off")
   axes.flat[0].legend(fontsize=8)
   fig.suptitle("local slopes over sliding windows of N; dashed + band: fitted alpha and interval",
                fontsize=9)
