@@ -229,7 +229,7 @@ def validate(cfg: dict) -> dict:
   p["seeds"] = _int(p["seeds"], "problem.seeds", 1)
   if p["seeds"] < 2:
     raise ConfigError(f"problem.seeds = {p['seeds']}: need at least 2 independent problem draws "
-                      "for an interval (3 or more recommended)")
+                      "for an interval (4 or more recommended)")
   if p["n_train"] is not None:
     p["n_train"] = _int(p["n_train"], "problem.n_train", 1)
   p["noise"] = float(p["noise"])
