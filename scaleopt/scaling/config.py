@@ -20,10 +20,11 @@ import copy
 import dataclasses
 import itertools
 import pathlib
-from typing import Any, Sequence
+from typing import Any, Literal, Optional, Sequence
 
-import yaml
-
+from scaleopt.config import ConfigError, check_keys, choice, convert, fail, parse, read_yaml, spec
+from scaleopt.config import apply_overrides as _apply_overrides
+from scaleopt.config import to_dict
 from scaleopt.scaling.fit import INTERVAL_METHODS
 
 SPECTRA = ("zipf", "mrs")
@@ -53,34 +54,60 @@ OPTIMIZER_KINDS: dict[str, dict[str, Any]] = {
 # Hyper-parameters that may be lists (grid axes, vmapped); the rest must be scalars / strings.
 GRID_KEYS = {"lr", "damping", "b1", "b2", "eps", "momentum"}
 
-DEFAULTS: dict[str, Any] = {
-    "name": "sweep",
-    "problem": {
-        "spectrum": "zipf",
-        "s": [0.5, 0.75, 1.0, 1.25, 1.5, 2.0],
-        "latent_dim": 4096,
-        "n_features": [32, 64, 128, 256, 512, 1024],
-        "d_out": 8,
-        "feature_map": "linear",
-        "teacher": "isotropic",
-        "teacher_beta": 0.0,
-        "noise": 0.0,
-        "n_train": None,
-        "n_test": 16384,
-        "seeds": 5,
-        "seed": 0,
-    },
-    "train": {"steps": 10, "lr_policy": "best", "transfer_n": 256},
-    "optimizers": {"gd": {}, "ng": {}},
-    "fit": {"n_min": None, "n_max": None, "excess": True, "bootstrap": 1000, "ci": 0.95,
-            "baseline": "gd", "steps": None, "interval": "cluster_t", "window": 3},
-    "compute": {"x64": True, "chunk": 0, "devices": 1, "progress": True, "blas_threads": 1,
-                "n_layout": "sliced"},
-}
 
 
-class ConfigError(ValueError):
-  """A sweep config value is missing, of the wrong type or not among the allowed values."""
+@dataclasses.dataclass
+class Problem:
+  spectrum: Literal[SPECTRA] = "zipf"
+  s: list[float] = spec(default_factory=lambda: [0.5, 0.75, 1.0, 1.25, 1.5, 2.0], gt=0,
+                        listify=True)
+  latent_dim: int = spec(4096, min=1)
+  n_features: list[int] = spec(default_factory=lambda: [32, 64, 128, 256, 512, 1024], min=1,
+                               listify=True, distinct=True, sort=True)
+  d_out: int = spec(8, min=1)
+  feature_map: Literal[FEATURE_MAPS] = "linear"
+  teacher: Literal[TEACHERS] = "isotropic"
+  teacher_beta: float = 0.0
+  noise: float = spec(0.0, min=0)
+  n_train: Optional[int] = spec(None, min=1)
+  n_test: int = spec(16384, min=1)
+  seeds: int = spec(5, min=1)
+  seed: int = spec(0, min=0)
+
+
+@dataclasses.dataclass
+class Train:
+  steps: int = spec(10, min=1)
+  lr_policy: Literal[LR_POLICIES] = "best"
+  transfer_n: int = spec(256, min=1)
+
+
+@dataclasses.dataclass
+class Fit:
+  n_min: Optional[int] = spec(None, min=1)
+  n_max: Optional[int] = spec(None, min=1)
+  excess: bool = True
+  bootstrap: int = spec(1000, min=2)
+  ci: float = 0.95
+  baseline: str = "gd"
+  steps: Optional[int] = None
+  interval: Literal[INTERVAL_METHODS] = "cluster_t"
+  window: int = spec(3, min=2)
+
+
+@dataclasses.dataclass
+class Compute:
+  x64: bool = True
+  chunk: int = spec(0, min=0)
+  devices: int = spec(1, min=1)
+  progress: bool = True
+  blas_threads: Optional[int] = spec(1, min=0)
+  n_layout: Literal[N_LAYOUTS] = "sliced"
+
+
+SECTIONS = {"problem": Problem, "train": Train, "fit": Fit, "compute": Compute}
+DEFAULTS: dict[str, Any] = {"name": "sweep", **{k: to_dict(c()) for k, c in SECTIONS.items()},
+                            "optimizers": {"gd": {}, "ng": {}}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,75 +139,7 @@ def _merge(base: dict, new: dict) -> dict:
 
 def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
   """Apply `a.b=v` strings (v parsed as YAML) to a nested dict, creating optimizer entries."""
-  raw = copy.deepcopy(raw)
-  for item in overrides or ():
-    if "=" not in item:
-      raise ConfigError(f"override {item!r}: expected KEY=VALUE with a dotted KEY, e.g. "
-                        "train.steps=30")
-    key, value = item.split("=", 1)
-    parts = key.strip().split(".")
-    node = raw
-    for p in parts[:-1]:
-      if p not in node or node[p] is None:
-        node[p] = {}
-      if not isinstance(node[p], dict):
-        raise ConfigError(f"override {key!r}: {p!r} is not a section")
-      node = node[p]
-    try:
-      node[parts[-1]] = yaml.safe_load(value)
-    except yaml.YAMLError:
-      raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
-  return raw
-
-
-def _choice(value: Any, key: str, allowed: Sequence[str]) -> str:
-  if value not in allowed:
-    raise ConfigError(f"{key} = {value!r}: allowed values are {', '.join(map(str, allowed))}")
-  return value
-
-
-def _num_list(value: Any, key: str, cast=float, positive: bool = True) -> list:
-  vals = value if isinstance(value, (list, tuple)) else [value]
-  try:
-    out = [cast(v) for v in vals]
-  except (TypeError, ValueError):
-    raise ConfigError(f"{key} = {value!r}: expected a number or a list of numbers") from None
-  if not out:
-    raise ConfigError(f"{key}: expected at least one value")
-  if positive and any(v <= 0 for v in out):
-    raise ConfigError(f"{key} = {value!r}: values must be > 0")
-  return out
-
-
-def _int(value: Any, key: str, minimum: int | None = None) -> int:
-  """An integer (an integer-valued float such as 16.0 is accepted; 16.9, True, '16' are not)."""
-  ok = isinstance(value, int) and not isinstance(value, bool)
-  if isinstance(value, float) and value.is_integer():
-    value, ok = int(value), True
-  if not ok:
-    raise ConfigError(f"{key} = {value!r}: expected an integer")
-  if minimum is not None and value < minimum:
-    raise ConfigError(f"{key} = {value!r}: must be an integer >= {minimum}")
-  return int(value)
-
-
-def _int_list(value: Any, key: str, minimum: int = 1) -> list[int]:
-  """Distinct integers >= minimum, sorted; duplicates are an error (they would count twice)."""
-  vals = value if isinstance(value, (list, tuple)) else [value]
-  if not vals:
-    raise ConfigError(f"{key}: expected at least one value")
-  out = [_int(v, key, minimum) for v in vals]
-  dup = sorted({v for v in out if out.count(v) > 1})
-  if dup:
-    raise ConfigError(f"{key} = {value!r}: duplicate value(s) {', '.join(map(str, dup))}")
-  return sorted(out)
-
-
-def _check_keys(section: dict, allowed: Sequence[str], where: str) -> None:
-  unknown = sorted(set(section) - set(allowed))
-  if unknown:
-    raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed keys are "
-                      f"{', '.join(sorted(allowed))}")
+  return _apply_overrides(raw, overrides)
 
 
 def parse_optimizers(raw: dict) -> list[OptimizerSpec]:
@@ -192,17 +151,18 @@ def parse_optimizers(raw: dict) -> list[OptimizerSpec]:
   for name, settings in raw.items():
     settings = dict(settings or {})
     kind = settings.pop("kind", name)
-    _choice(kind, f"optimizers.{name}.kind", list(OPTIMIZER_KINDS))
+    choice(kind, f"optimizers.{name}.kind", list(OPTIMIZER_KINDS))
     defaults = OPTIMIZER_KINDS[kind]
-    _check_keys(settings, list(defaults), f"optimizers.{name}")
+    check_keys(settings, list(defaults), f"optimizers.{name}")
     merged = {**defaults, **settings}
-    _choice(merged["lr_scale"], f"optimizers.{name}.lr_scale", LR_SCALES)
-    _choice(merged["schedule"], f"optimizers.{name}.schedule", SCHEDULES)
+    choice(merged["lr_scale"], f"optimizers.{name}.lr_scale", LR_SCALES)
+    choice(merged["schedule"], f"optimizers.{name}.schedule", SCHEDULES)
     axes = {}
     fixed = {}
     for k, v in merged.items():
       if k in GRID_KEYS:
-        axes[k] = _num_list(v, f"optimizers.{name}.{k}", positive=k not in ("momentum",))
+        meta = {"listify": True, **({} if k == "momentum" else {"gt": 0})}
+        axes[k] = convert(v, list[float], f"optimizers.{name}.{k}", meta)
       else:
         fixed[k] = v
     keys = sorted(axes)
@@ -213,82 +173,32 @@ def parse_optimizers(raw: dict) -> list[OptimizerSpec]:
 
 def validate(cfg: dict) -> dict:
   """Check every section; returns the config with types normalised. Raises ConfigError."""
-  _check_keys(cfg, list(DEFAULTS), "config")
-  for section in ("problem", "train", "fit", "compute"):
-    if not isinstance(cfg[section], dict):
-      raise ConfigError(f"{section} = {cfg[section]!r}: expected a mapping of keys")
-  p = cfg["problem"]
-  _check_keys(p, list(DEFAULTS["problem"]), "problem")
-  _choice(p["spectrum"], "problem.spectrum", SPECTRA)
-  _choice(p["feature_map"], "problem.feature_map", FEATURE_MAPS)
-  _choice(p["teacher"], "problem.teacher", TEACHERS)
-  p["s"] = _num_list(p["s"], "problem.s")
-  p["n_features"] = _int_list(p["n_features"], "problem.n_features")
-  for k in ("latent_dim", "d_out", "n_test"):
-    p[k] = _int(p[k], f"problem.{k}", 1)
-  p["seeds"] = _int(p["seeds"], "problem.seeds", 1)
-  if p["seeds"] < 2:
-    raise ConfigError(f"problem.seeds = {p['seeds']}: need at least 2 independent problem draws "
-                      "for an interval (4 or more recommended)")
-  if p["n_train"] is not None:
-    p["n_train"] = _int(p["n_train"], "problem.n_train", 1)
-  p["noise"] = float(p["noise"])
-  if p["noise"] < 0:
-    raise ConfigError(f"problem.noise = {p['noise']}: must be >= 0")
-  p["teacher_beta"] = float(p["teacher_beta"])
-  p["seed"] = _int(p["seed"], "problem.seed", 0)
-  if max(p["n_features"]) > p["latent_dim"] and p["feature_map"] == "linear":
-    raise ConfigError(f"problem.n_features: max {max(p['n_features'])} exceeds "
-                      f"problem.latent_dim = {p['latent_dim']} (linear features have rank <= M)")
-  t = cfg["train"]
-  _check_keys(t, list(DEFAULTS["train"]), "train")
-  t["steps"] = _int(t["steps"], "train.steps", 1)
-  _choice(t["lr_policy"], "train.lr_policy", LR_POLICIES)
-  t["transfer_n"] = _int(t["transfer_n"], "train.transfer_n", 1)
-  if t["lr_policy"] == "transfer" and t["transfer_n"] not in p["n_features"]:
-    raise ConfigError(f"train.transfer_n = {t['transfer_n']}: allowed values are the "
-                      f"problem.n_features {p['n_features']}")
+  check_keys(cfg, list(DEFAULTS), "")
+  sec = {k: parse(c, cfg[k], k) for k, c in SECTIONS.items()}
+  p, t, f, c = sec["problem"], sec["train"], sec["fit"], sec["compute"]
+  if p.seeds < 2:
+    raise fail("problem.seeds", p.seeds, "need at least 2 independent problem draws for an "
+               "interval (4 or more recommended)")
+  if max(p.n_features) > p.latent_dim and p.feature_map == "linear":
+    raise ConfigError(f"problem.n_features: max {max(p.n_features)} exceeds "
+                      f"problem.latent_dim = {p.latent_dim} (linear features have rank <= M)")
+  if t.lr_policy == "transfer" and t.transfer_n not in p.n_features:
+    raise fail("train.transfer_n", t.transfer_n,
+               f"allowed values are the problem.n_features {p.n_features}")
   specs = parse_optimizers(cfg["optimizers"])
-  f = cfg["fit"]
-  _check_keys(f, list(DEFAULTS["fit"]), "fit")
-  names = [s.name for s in specs]
-  _choice(f["baseline"], "fit.baseline", names)
-  f["n_min"] = min(p["n_features"]) if f["n_min"] is None else _int(f["n_min"], "fit.n_min", 1)
-  f["n_max"] = max(p["n_features"]) if f["n_max"] is None else _int(f["n_max"], "fit.n_max", 1)
-  in_range = [n for n in p["n_features"] if f["n_min"] <= n <= f["n_max"]]
-  if len(in_range) < 2:
-    raise ConfigError(f"fit.n_min/fit.n_max = {f['n_min']}/{f['n_max']}: need at least two of "
-                      f"problem.n_features {p['n_features']} inside the range")
-  f["steps"] = t["steps"] if f["steps"] is None else _int(f["steps"], "fit.steps")
-  if not 1 <= f["steps"] <= t["steps"]:
-    raise ConfigError(f"fit.steps = {f['steps']}: allowed values are 1..train.steps "
-                      f"({t['steps']})")
-  f["bootstrap"] = _int(f["bootstrap"], "fit.bootstrap", 2)
-  _choice(f["interval"], "fit.interval", INTERVAL_METHODS)
-  f["window"] = _int(f["window"], "fit.window", 2)
-  f["ci"] = _num_list(f["ci"], "fit.ci")[0]
-  if not 0 < f["ci"] < 1:
-    raise ConfigError(f"fit.ci = {f['ci']}: must be in (0, 1)")
-  c = cfg["compute"]
-  _check_keys(c, list(DEFAULTS["compute"]), "compute")
-  c["chunk"] = _int(c["chunk"], "compute.chunk", 0)
-  c["devices"] = _int(c["devices"], "compute.devices", 1)
-  c["blas_threads"] = _int(c["blas_threads"] or 0, "compute.blas_threads", 0)
-  _choice(c["n_layout"], "compute.n_layout", N_LAYOUTS)
-  return cfg
-
-
-def _read_yaml(path: pathlib.Path) -> Any:
-  """Parse a YAML file; a syntax error becomes one ConfigError line with its position."""
-  try:
-    return yaml.safe_load(path.read_text()) or {}
-  except yaml.YAMLError as e:
-    mark = getattr(e, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-    what = getattr(e, "problem", None) or str(e).splitlines()[0]
-    raise ConfigError(f"config file {path}: YAML syntax error{where}: {what}") from None
-  except (OSError, UnicodeDecodeError) as e:
-    raise ConfigError(f"config file {path}: cannot read ({e.__class__.__name__}: {e})") from None
+  choice(f.baseline, "fit.baseline", [o.name for o in specs])
+  f.n_min = min(p.n_features) if f.n_min is None else f.n_min
+  f.n_max = max(p.n_features) if f.n_max is None else f.n_max
+  if len([n for n in p.n_features if f.n_min <= n <= f.n_max]) < 2:
+    raise ConfigError(f"fit.n_min/fit.n_max = {f.n_min}/{f.n_max}: need at least two of "
+                      f"problem.n_features {p.n_features} inside the range")
+  f.steps = t.steps if f.steps is None else f.steps
+  if not 1 <= f.steps <= t.steps:
+    raise fail("fit.steps", f.steps, f"allowed values are 1..train.steps ({t.steps})")
+  if not 0 < f.ci < 1:
+    raise fail("fit.ci", f.ci, "must be in (0, 1)")
+  c.blas_threads = c.blas_threads or 0
+  return {**cfg, **{k: to_dict(v) for k, v in sec.items()}}
 
 
 def load_config(path: str | pathlib.Path | dict | None = None,
@@ -299,12 +209,8 @@ def load_config(path: str | pathlib.Path | dict | None = None,
   elif isinstance(path, dict):
     raw = path
   else:
-    path = pathlib.Path(path)
-    if not path.exists():
-      raise ConfigError(f"config file {path} does not exist")
-    if path.is_dir():
-      raise ConfigError(f"config file {path} is a directory")
-    raw = _read_yaml(path)
+    raw = read_yaml(path)
+    raw = {} if raw is None else raw
   if not isinstance(raw, dict):
     raise ConfigError(f"config {path}: expected a mapping of sections, got "
                       f"{type(raw).__name__}")

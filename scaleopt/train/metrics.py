@@ -8,6 +8,9 @@
 * W&B (``run.wandb: {project: ..., ...}``, only if the ``wandb`` package is installed): the
   same rows via ``wandb.log(row, step=step)``; the W&B run id is kept in ``RUN_DIR/wandb_id``
   so a resumed run continues the same W&B run.
+* Telemetry (``run.telemetry_every: N``): per-group norms and BC statistics
+  (``scaleopt.train.telemetry``) as ``<quantity>/<group>`` keys and tags, on every N-th step's
+  row only.
 * Profiles (``run.profile: {start_step: S, steps: K}``): a ``jax.profiler`` trace of the K steps
   after step S in ``RUN_DIR/profile`` (open with TensorBoard's profile plugin or XProf).
 """
@@ -175,6 +178,7 @@ class MetricsLog:
   def write(self, row: dict) -> None:
     if not self.enabled:
       return
+    row = without_idle_telemetry(row)
     self._f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
     values = {k: v for k, v in row.items() if k != "step"}
     for w in (self.tb, self.wandb):
@@ -193,6 +197,17 @@ class MetricsLog:
       for w in (self.tb, self.wandb):
         if w is not None:
           w.close()
+
+
+def without_idle_telemetry(row: dict) -> dict:
+  """The row without the telemetry flag, and without the (NaN) telemetry values of a step that
+  computed none."""
+  from scaleopt.train import telemetry
+  if telemetry.FLAG not in row:
+    return row
+  on = row[telemetry.FLAG] == 1
+  return {k: v for k, v in row.items()
+          if k != telemetry.FLAG and (on or not telemetry.is_telemetry_key(k))}
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:
