@@ -33,12 +33,12 @@ import itertools
 import json
 import pathlib
 import re
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
-import yaml
-
+from scaleopt.config import (ConfigError, check_keys, convert, fail, merge, parse, read_yaml,
+                             set_dotted, spec)
+from scaleopt.config import apply_overrides as _apply_overrides
 from scaleopt.train import config as train_config
-from scaleopt.train.config import ConfigError
 
 TOP_KEYS = ("name", "description", "base", "train", "arms", "baseline", "compute_baselines",
             "learning_rates", "seeds", "best_lr_seeds", "grid", "engine")
@@ -51,6 +51,13 @@ COSMETIC = ("run.progress", "run.tensorboard", "run.plot", "run.async_checkpoint
             "run.peak_flops", "run.keep_checkpoints", "run.checkpoint_every", "run.wandb",
             "run.wandb.", "run.profile", "run.profile.", "mesh.")
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
+
+
+@dataclasses.dataclass
+class Engine:
+  kind: Literal[ENGINES] = "vmap"
+  cells_at_once: int = spec(4, min=1)
+  keep_checkpoints: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,19 +134,6 @@ def _fmt(v: Any) -> str:
   return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def set_dotted(raw: dict, dotted: str, value: Any) -> None:
-  node = raw
-  parts = dotted.split(".")
-  for p in parts[:-1]:
-    nxt = node.get(p)
-    if nxt is None:
-      nxt = node[p] = {}
-    if not isinstance(nxt, dict):
-      raise ConfigError(f"key '{dotted}': '{p}' is a value, not a section")
-    node = nxt
-  node[parts[-1]] = copy.deepcopy(value)
-
-
 def flatten(d: dict, prefix: str = "") -> dict:
   out = {}
   for k, v in d.items():
@@ -148,17 +142,6 @@ def flatten(d: dict, prefix: str = "") -> dict:
       out.update(flatten(v, key + "."))
     else:
       out[key] = v
-  return out
-
-
-def merge(a: dict, b: dict) -> dict:
-  """``b`` merged over ``a`` (nested mappings merge, everything else replaces)."""
-  out = copy.deepcopy(a)
-  for k, v in b.items():
-    if isinstance(v, dict) and isinstance(out.get(k), dict):
-      out[k] = merge(out[k], v)
-    else:
-      out[k] = copy.deepcopy(v)
   return out
 
 
@@ -177,19 +160,12 @@ def group_key(cfg: train_config.TrainConfig) -> str:
 
 
 def _list(raw: dict, key: str, kind: type, default=None, allow_empty: bool = False) -> list:
+  """A list of distinct numbers (``kind`` float: learning rates, > 0) or integers (seeds)."""
   v = raw.get(key, default)
-  ok = isinstance(v, list) and (allow_empty or v) and all(
-      isinstance(x, (int, float) if kind is float else kind) and not isinstance(x, bool)
-      for x in v)
-  if not ok:
-    what = "numbers" if kind is float else "integers"
-    raise ConfigError(f"study key '{key}'={v!r} must be a {'' if allow_empty else 'non-empty '}"
-                      f"list of {what}")
-  if len(set(v)) != len(v):
-    raise ConfigError(f"study key '{key}'={v!r} has duplicates")
-  if kind is float and any(x <= 0 for x in v):
-    raise ConfigError(f"study key '{key}'={v!r}: learning rates must be > 0")
-  return [float(x) for x in v] if kind is float else list(v)
+  if allow_empty and v == []:
+    return []
+  meta = {"distinct": True, **({"gt": 0} if kind is float else {})}
+  return convert(v, list[kind], key, meta)
 
 
 def _arm(name: str, spec: Any, lrs: Optional[list]) -> dict:
@@ -219,12 +195,10 @@ def from_dict(raw: dict, path: Optional[pathlib.Path] = None) -> Study:
   """Validates a study mapping; every cell's training config is checked too."""
   if not isinstance(raw, dict):
     raise ConfigError("a study config must be a mapping")
-  for k in raw:
-    if k not in TOP_KEYS:
-      raise ConfigError(f"unknown study key '{k}'; allowed: {list(TOP_KEYS)}")
+  check_keys(raw, TOP_KEYS, "")
   name = raw.get("name")
   if not isinstance(name, str) or not _NAME.match(name):
-    raise ConfigError(f"study key 'name'={name!r} must be a name (letters, digits, _ . + -)")
+    raise fail("name", name, "must be a name (letters, digits, _ . + -)")
   base: dict = {}
   if raw.get("base") is not None:
     bp = pathlib.Path(raw["base"])
@@ -232,7 +206,7 @@ def from_dict(raw: dict, path: Optional[pathlib.Path] = None) -> Study:
       bp = path.parent / bp
     if not bp.is_file():
       raise ConfigError(f"study key 'base'={raw['base']!r}: no file {str(bp)!r}")
-    base = train_config._numbers(yaml.safe_load(bp.read_text()) or {})
+    base = read_yaml(bp, "study key 'base' file") or {}
   train = raw.get("train") or {}
   if not isinstance(train, dict):
     raise ConfigError("study key 'train' must be a mapping of training sections")
@@ -261,21 +235,9 @@ def from_dict(raw: dict, path: Optional[pathlib.Path] = None) -> Study:
       raise ConfigError(f"study key 'grid.{k}'={v!r} must be a non-empty list of scalars")
     if any(not _NAME.match(_fmt(x)) for x in v):
       raise ConfigError(f"study key 'grid.{k}'={v!r}: values may use letters, digits, _ . + -")
-  eng = raw.get("engine") or {}
-  if not isinstance(eng, dict) or set(eng) - {"kind", "cells_at_once", "keep_checkpoints"}:
-    raise ConfigError(f"study key 'engine'={eng!r}: allowed keys kind, cells_at_once, "
-                      "keep_checkpoints")
-  keep = eng.get("keep_checkpoints", False)
-  if not isinstance(keep, bool):
-    raise ConfigError(f"study key 'engine.keep_checkpoints'={keep!r} must be true or false")
-  kind = eng.get("kind", "vmap")
-  if kind not in ENGINES:
-    raise ConfigError(f"study key 'engine.kind'={kind!r}; choose one of {ENGINES}")
-  cao = eng.get("cells_at_once", 4)
-  if not isinstance(cao, int) or isinstance(cao, bool) or cao < 1:
-    raise ConfigError(f"study key 'engine.cells_at_once'={cao!r} must be an integer >= 1")
-  st = Study(name, path, base, arms, baseline, list(cb), seeds, best, dict(grid), kind, cao,
-             keep, raw)
+  eng = parse(Engine, raw.get("engine"), "engine")
+  st = Study(name, path, base, arms, baseline, list(cb), seeds, best, dict(grid), eng.kind,
+             eng.cells_at_once, eng.keep_checkpoints, raw)
   cells = st.search_cells() + [c for a in arms for g in st.grid_points()
                                for c in st.best_lr_cells(a, g, st.lrs(a)[0])]
   built = set()
@@ -298,44 +260,25 @@ def _check_build(cell: Cell, opt: dict) -> None:
     raise ConfigError(f"study cell {cell.id}: config section 'optimizer': {e}") from None
 
 
+def _route(path: list[str]) -> list[str]:
+  """A training key (``run.steps``) goes to ``train``; ``arms.NAME.section.key`` sets the arm's
+  dotted key ``section.key``; ``grid.section.key`` sets one dotted grid key."""
+  if path[0] in TRAIN_SECTIONS:
+    path = ["train"] + path
+  if path[0] == "arms" and len(path) > 2:
+    return ["arms", path[1], ".".join(path[2:])]
+  if path[0] == "grid" and len(path) > 1:
+    return ["grid", ".".join(path[1:])]
+  return path
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
   """``key=value`` overrides of the study mapping; a first component that names a training
   section (``run.steps=50``) goes to ``train``."""
-  out = copy.deepcopy(raw)
-  for item in overrides or []:
-    if "=" not in item:
-      raise ConfigError(f"override {item!r} must look like key=value")
-    key, value = item.split("=", 1)
-    key = key.strip()
-    if not key or not all(key.split(".")):
-      raise ConfigError(f"override key {key!r} is empty or malformed")
-    try:
-      val = train_config._numbers(yaml.safe_load(value))
-    except yaml.YAMLError as e:
-      raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
-    if key.split(".")[0] in TRAIN_SECTIONS:
-      key = "train." + key
-    parts = key.split(".")
-    if parts[0] == "arms" and len(parts) > 2:  # arms.NAME.section.key: the rest is one key
-      arm = out.setdefault("arms", {}).setdefault(parts[1], {}) or {}
-      out["arms"][parts[1]] = arm
-      arm[".".join(parts[2:])] = val
-      continue
-    if parts[0] == "grid" and len(parts) > 1:  # grid.section.key: one dotted grid key
-      grid = out.get("grid") or {}
-      grid[".".join(parts[1:])] = val
-      out["grid"] = grid
-      continue
-    set_dotted(out, key, val)
-  return out
+  return _apply_overrides(raw, overrides, route=_route)
 
 
 def load(path: str | pathlib.Path, overrides: Optional[list[str]] = None) -> Study:
   p = pathlib.Path(path)
-  if not p.is_file():
-    raise ConfigError(f"study config {str(p)!r} does not exist")
-  try:
-    raw = yaml.safe_load(p.read_text()) or {}
-  except yaml.YAMLError as e:
-    raise ConfigError(f"study config {str(p)!r} is not valid YAML: {e}") from None
-  return from_dict(apply_overrides(train_config._numbers(raw), overrides or []), p)
+  raw = read_yaml(p, "study config") or {}
+  return from_dict(apply_overrides(raw, overrides or []), p)

@@ -32,8 +32,7 @@ OPTIMIZERS = ("adamw", "adamw_bc", "sophia", "sophia_bc", "shampoo", "shampoo_bc
 WD_POLICIES = ("iwd", "all", "matrices-only")
 
 
-class ConfigError(ValueError):
-  """A config key or value is wrong; the message names the dotted key."""
+from scaleopt.config import ConfigError  # noqa: E402  (the one config error type)
 
 
 @dataclasses.dataclass
