@@ -4,7 +4,7 @@ A GPT-2-small-shaped stand-in (pure JAX: tied 50304 x 768 embedding, 1024 positi
 layers with fused qkv 768 x 2304, 768 x 768 output, 768 x 3072 / 3072 x 768 MLP, bf16 compute,
 float32 parameters and optimizer state), batch 32 x 1024 tokens per step as 4 microbatches of
 8 sequences (BC forms with rolling-B get 4 more microbatches as group B). Every optimizer goes
-through ``build`` + ``collect_step`` inside one jitted step, exactly as the trainer runs it.
+through ``build`` + ``collect`` inside one jitted step, exactly as the trainer runs it.
 Each step is timed individually (block_until_ready) over ``--steps`` steps after two warm-up
 steps; roots (Shampoo) / Hessian refreshes (Sophia) every 10 steps, so the mean is the
 amortized cost.
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from scaleopt.optim import build, collect_step
+from scaleopt.optim import build, collect
 
 CONFIGS = {
     "adamw": dict(name="adamw"),
@@ -98,8 +98,7 @@ def bench(name, cfg, params, loss_fn, logits_fn, mbs, b_mbs, steps):
 
   @jax.jit
   def step(p, st, key):
-    stats = collect_step(loss_fn, p, mbs, spec, opt_state=st, key=key, logits_fn=logits_fn,
-                         b_microbatches=b)
+    stats = collect(loss_fn, p, mbs, st, key=key, logits_fn=logits_fn, b_microbatches=b)
     u, st = tx.update(stats.numerator, st, p, bc_stats=stats)
     return optax.apply_updates(p, u), st, stats.loss
 

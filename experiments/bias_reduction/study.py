@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import scaleopt.optim as so
-from scaleopt.optim.collect import CollectorSpec
 
 D = jnp.array([1.0, 0.5, -0.3, 0.1])
 MODES = ("std", "cf", "inv", "full")
@@ -53,24 +52,25 @@ def measure(m: int, b2: float, kind: str, sigma: float, trials: int, seed: int =
   def loss(p, mb):
     return 0.5 * jnp.mean((mb["x"] @ p - mb["y"]) ** 2), {}
 
-  txs = {"std": so.scale_by_adam_bc(b1=0.0, b2=b2, mode="cf"),
-         "inv": so.scale_by_adam_bc(b1=0.0, b2=b2, mode="full", correction="pre_ema")}
-  st = txs["std"].init(D)._replace(count=jnp.asarray(10_000, jnp.int32),
-                                   nu=jnp.asarray(P, jnp.float32))
+  # one transform per mode; "same" statistics come from one group, "cross" from A and B
+  txs = {"std": so.scale_by_adam_bc(b1=0.0, b2=b2, mode="std"),
+         "cf": so.scale_by_adam_bc(b1=0.0, b2=b2, mode="cf", crossfit="rolling_b"),
+         "inv": so.scale_by_adam_bc(b1=0.0, b2=b2, mode="inv", correction="pre_ema"),
+         "full": so.scale_by_adam_bc(b1=0.0, b2=b2, mode="full", crossfit="rolling_b",
+                                     correction="pre_ema")}
+  st = {k: tx.init(D)._replace(count=jnp.asarray(10_000, jnp.int32),
+                               nu=jnp.asarray(P, jnp.float32)) for k, tx in txs.items()}
 
   def one(key):
     kx, ke = jax.random.split(key)
     x = jax.random.normal(kx, (2, m, 1, 4))
     y = noise(ke, (2, m, 1), kind, sigma)
     a, b = {"x": x[0], "y": y[0]}, {"x": x[1], "y": y[1]}
-    same = so.collect(loss, D, a, CollectorSpec(layout="all", var_of="grad"))
-    cross = so.collect(loss, D, a, CollectorSpec(layout="rolling_b", var_of="grad"),
-                       b_microbatches=b)
-    # the same transform code for every mode; only the statistics differ
-    return jnp.stack([txs["std"].update(same.numerator, st, bc_stats=same)[0],
-                      txs["std"].update(cross.numerator, st, bc_stats=cross)[0],
-                      txs["inv"].update(same.numerator, st, bc_stats=same)[0],
-                      txs["inv"].update(cross.numerator, st, bc_stats=cross)[0]])
+    same = so.collect(loss, D, a, st["inv"])
+    cross = so.collect(loss, D, a, st["full"], b_microbatches=b)
+    stats = {"std": same, "cf": cross, "inv": same, "full": cross}
+    return jnp.stack([txs[k].update(stats[k].numerator, st[k], bc_stats=stats[k])[0]
+                      for k in MODES])
 
   u = np.asarray(jax.jit(jax.vmap(one))(jax.random.split(jax.random.PRNGKey(seed), trials)),
                  np.float64)  # [trials, mode, coord]

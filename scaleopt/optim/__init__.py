@@ -1,34 +1,31 @@
 """Optax transforms for bias-corrected preconditioned optimizers (no Flax imports).
 
-Building blocks follow optax: ``scale_by_*`` transforms with NamedTuple states, plus
-convenience aliases (``adamw_bc``). Per-microbatch statistics come from ``collect``.
+Aliases in optax style (``adamw_bc``, ``sophia``, ``sophia_bc``, ``shampoo``, ``shampoo_bc``),
+their ``scale_by_*`` blocks, and ``collect``, which derives the per-microbatch statistics a
+chain needs from its optimizer state. ``build(config)`` makes a chain from a config through a
+registry (``register_optimizer``).
 """
 
-from scaleopt.optim.collect import (BCStats, CollectorSpec, GroupStats, LOOStats, collect,
-                                    value_and_grad_fn)
-from scaleopt.optim.adam_bc import (ScaleByAdamBCState, adam_bc_spec, adamw_bc,
-                                    find_adam_bc_state, loo_fold_fn, scale_by_adam_bc)
-from scaleopt.optim import delta
+from scaleopt.optim import delta, gnb
+from scaleopt.optim.collect import (BCStats, CollectorSpec, GroupStats, LOOStats, Static,
+                                    StateHooks, clip_by_global_norm, collect, collector_spec,
+                                    find_bc_states, register_bc_state, register_estimator,
+                                    schedule_count, skipped_tensors, value_and_grad_fn)
+from scaleopt.optim.adam_bc import ScaleByAdamBCState, adamw_bc, scale_by_adam_bc
+from scaleopt.optim.sophia_lib import (ScaleBySophiaState, SophiaCurvature, scale_by_sophia,
+                                       sophia, sophia_bc)
+from scaleopt.optim.shampoo_lib import (ScaleByShampooState, ShampooPrecond, scale_by_shampoo,
+                                        shampoo, shampoo_bc)
+from scaleopt.optim.schedules import ScheduleConfig, make_schedule
+from scaleopt.optim.build import OptimizerConfig, build, muon, names, register_optimizer
 
 __all__ = [
-    "BCStats", "CollectorSpec", "GroupStats", "LOOStats", "collect", "value_and_grad_fn",
-    "ScaleByAdamBCState", "adam_bc_spec", "adamw_bc", "find_adam_bc_state", "loo_fold_fn",
-    "scale_by_adam_bc", "delta",
-]
-
-# Issue 3: schedules, optimizers from config, Sophia, Shampoo.
-from scaleopt.optim.schedules import ScheduleConfig, make_schedule
-from scaleopt.optim import gnb, shampoo, sophia
-from scaleopt.optim.sophia import (ScaleBySophiaState, SophiaCurvature, scale_by_sophia,
-                                   sophia_bc, sophia_collect, sophia_spec)
-from scaleopt.optim.shampoo import (ScaleByShampooState, ShampooPrecond, scale_by_shampoo,
-                                    shampoo_bc, shampoo_collect, shampoo_spec)
-from scaleopt.optim.build import EXTRA_KEYS, NAMES, OptimizerConfig, build, collect_step
-
-__all__ += [
-    "ScheduleConfig", "make_schedule", "gnb", "shampoo", "sophia", "ScaleBySophiaState",
-    "SophiaCurvature", "scale_by_sophia", "sophia_bc", "sophia_collect", "sophia_spec",
-    "ScaleByShampooState", "ShampooPrecond", "scale_by_shampoo", "shampoo_bc",
-    "shampoo_collect", "shampoo_spec", "EXTRA_KEYS", "NAMES", "OptimizerConfig", "build",
-    "collect_step",
+    "BCStats", "CollectorSpec", "GroupStats", "LOOStats", "Static", "StateHooks",
+    "clip_by_global_norm", "collect", "collector_spec", "find_bc_states", "register_bc_state",
+    "register_estimator", "schedule_count", "skipped_tensors", "value_and_grad_fn",
+    "ScaleByAdamBCState", "adamw_bc", "scale_by_adam_bc",
+    "ScaleBySophiaState", "SophiaCurvature", "scale_by_sophia", "sophia", "sophia_bc",
+    "ScaleByShampooState", "ShampooPrecond", "scale_by_shampoo", "shampoo", "shampoo_bc",
+    "ScheduleConfig", "make_schedule", "OptimizerConfig", "build", "muon", "names",
+    "register_optimizer", "delta", "gnb",
 ]

@@ -9,24 +9,30 @@ E[g / sqrt(v)] != E[g] E[1/sqrt(v)]. *Inversion (Jensen)*: even with independent
 convex map T(x) = 1 / (sqrt(x) + eps) gives E[T(v)] > T(E v). The fixes:
 
 * cross-fitting (``mode="cf"``): the numerator comes from microbatch group A, the
-  preconditioner statistic from an independent group B (two-fold, symmetrized or
-  leave-one-out, ``crossfit=``);
+  preconditioner statistic from an independent group B (``crossfit="ab"``, ``"symmetric"``
+  or leave-one-out ``"loo"``);
 * variance-corrected inversion (``mode="inv"``): T_tilde(x) = T(x) - (1/2) T''(x) Var(x),
   with Var estimated from the spread of per-microbatch statistics, clamped at 0;
-* ``mode="full"``: both.
+* ``mode="full"``: both (the default, with the leave-one-out layout that trains best).
 
 With U = v_hat_t = a + b x (a = b2 v_{t-1} / (1 - b2^t), b = (1 - b2) / (1 - b2^t), x the
-statistic entering v this step), D = sqrt(U) + eps and Var(x) from the collector:
+statistic entering v this step), D = sqrt(U) + eps:
 
     post_ema:  inv = max(0, 1/D - Var(D) / D^3),   Var(D) = b^2 Var(x) / (4 U)   (delta method)
     pre_ema:   inv = max(0, 1/D - b^2 Var(x) [1 / (4 U D^3) + 1 / (8 U^{3/2} D^2)])
+    reference_post_ema: inv = max(0, 1/D - Var(p_bar) / D^3) with the reference code's
+               per-microbatch denominators p_j = sqrt((b2 v_{t-1} + (1-b2) g_j^2) / (1-b2^t))
 
-(the pre-EMA coefficient is 1/8; the reference code's 3/8 is reproduced by
-``reference_pre_ema=True``). The statistic x follows the paper's rule for persistent moments:
-by default (``v_source="sq_of_mean"``) x = g_bar_B^2, the square of a group mean, with
-Var(x) = 4 g_bar^2 Var(g_bar) + 2 Var(g_bar)^2 (exact for Gaussian g_bar); the reference A/B
-code's mean of per-microbatch squares is ``v_source="mean_sq"``. All formulas and choices are
-documented in docs/optim.md.
+By default x = g_bar_B^2 (``v_source="sq_of_mean"``) with the unbiased (Gaussian microbatch
+gradients, V_hat = M2 / (m (m-1)) estimated from the same m microbatches)
+
+    Var_hat(x) = 4 g_bar^2 V_hat - 2 V_hat^2 (m - 1) / (m + 1),
+
+E[Var_hat(x)] = 4 mu^2 V + 2 V^2 = Var(g_bar^2) (E V_hat^2 = V^2 (m+1)/(m-1)). The transform
+clamps it at 0: a negative estimate would turn the correction into an increase of the inverse
+that grows without bound as U -> 0 (it divides by U D^3), so a correction only ever subtracts. The reference
+A/B code's mean of per-microbatch squares is ``v_source="mean_sq"`` (Var(x) = Welford of
+g_j^2 / m, unbiased). Derivations: docs/optim.md.
 """
 
 from __future__ import annotations
@@ -37,83 +43,88 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaleopt.optim.collect import BCStats, CollectorSpec
+from scaleopt.optim import delta
+from scaleopt.optim.collect import (BCStats, CollectorSpec, StateHooks, Static, align,
+                                    register_bc_state)
 
 PyTree = Any
 MaskedNode = optax.MaskedNode
 
 MODES = ("std", "cf", "inv", "full")
-CROSSFITS = ("ab", "symmetric", "loo")
-CORRECTIONS = ("none", "post_ema", "pre_ema")
+CROSSFITS = ("ab", "rolling_b", "symmetric", "loo")
+CORRECTIONS = ("none", "post_ema", "pre_ema", "reference_post_ema")
 V_SOURCES = ("sq_of_mean", "mean_sq")
 
 
 class ScaleByAdamBCState(NamedTuple):
-  """State of ``scale_by_adam_bc``: step count and float32 first/second moments."""
+  """count; float32 moments mu, nu; skipped: tensors whose non-finite update was zeroed at the
+  last step; spec: the ``CollectorSpec`` (static); hp: b1, b2, eps as arrays (collector)."""
   count: jax.Array
   mu: PyTree
   nu: PyTree
+  skipped: jax.Array
+  spec: Static
+  hp: dict
 
 
-def _check(name: str, value, allowed):
+def _masked(x) -> bool:
+  return isinstance(x, MaskedNode)
+
+
+def tmap(fn: Callable, *trees):
+  """``jax.tree.map`` that passes MaskedNode leaves of the first tree through."""
+  return jax.tree.map(lambda x, *r: x if _masked(x) else fn(x, *r), *trees, is_leaf=_masked)
+
+
+def unzip(out: PyTree, like: PyTree, n: int) -> tuple:
+  """n trees from a tree of n-tuples (built by ``tmap`` over ``like``)."""
+  return tuple(jax.tree.map(lambda u, o: u if _masked(u) else o[i], like, out, is_leaf=_masked)
+               for i in range(n))
+
+
+def check_choice(name: str, value, allowed):
   if value not in allowed:
     raise ValueError(f"{name}={value!r} is not allowed; choose one of {allowed}")
 
 
 def _resolve(mode: str, crossfit: str, correction: Optional[str], v_source: str) -> str:
-  _check("mode", mode, MODES)
-  _check("crossfit", crossfit, CROSSFITS)
-  _check("v_source", v_source, V_SOURCES)
+  check_choice("mode", mode, MODES)
+  check_choice("crossfit", crossfit, CROSSFITS)
+  check_choice("v_source", v_source, V_SOURCES)
   if correction is None:
     correction = "post_ema" if mode in ("inv", "full") else "none"
-  _check("correction", correction, CORRECTIONS)
-  if mode in ("inv", "full") and correction == "none":
-    raise ValueError(f"mode={mode!r} applies a variance correction; correction must be "
-                     f"'post_ema' or 'pre_ema', not 'none' (use mode='std' or 'cf' for none)")
-  if mode in ("std", "cf") and correction != "none":
-    raise ValueError(f"mode={mode!r} applies no variance correction but correction="
-                     f"{correction!r}; use mode='inv' or 'full', or correction='none'")
-  if crossfit == "loo" and v_source != "sq_of_mean" and mode in ("cf", "full"):
-    raise ValueError("crossfit='loo' uses the square of the leave-one-out mean; "
-                     "v_source must be 'sq_of_mean'")
+  check_choice("correction", correction, CORRECTIONS)
+  if (mode in ("inv", "full")) != (correction != "none"):
+    raise ValueError(f"mode={mode!r} with correction={correction!r}: modes 'inv'/'full' apply a "
+                     "variance correction and 'std'/'cf' none")
+  if crossfit == "loo" and mode in ("cf", "full") and (v_source != "sq_of_mean" or correction
+                                                        not in ("none", "post_ema")):
+    raise ValueError("crossfit='loo' squares the leave-one-out mean and corrects with the fold "
+                     "variance: use v_source='sq_of_mean' and correction='post_ema'")
   return correction
 
 
-def adam_bc_spec(mode: str = "std", crossfit: str = "ab", correction: Optional[str] = None,
-                 v_source: str = "sq_of_mean", rolling_b: bool = False, b1: float = 0.9,
-                 b2: float = 0.999, eps: float = 1e-8) -> CollectorSpec:
-  """The microbatch statistics ``scale_by_adam_bc`` with these settings needs.
-
-  Returns a ``CollectorSpec`` for ``scaleopt.optim.collect``.
-  """
-  correction = _resolve(mode, crossfit, correction, v_source)
-  var_of = None
-  if correction != "none":
-    var_of = "grad" if v_source == "sq_of_mean" else "sq"
-  need_sq = v_source == "mean_sq"
-  if mode in ("std", "inv"):
-    return CollectorSpec(layout="all", var_of=var_of, need_sq=need_sq)
-  if crossfit == "ab":
-    return CollectorSpec(layout="rolling_b" if rolling_b else "ab", var_of=var_of,
-                         need_sq=need_sq)
-  if crossfit == "symmetric":
-    return CollectorSpec(layout="symmetric", var_of=var_of, need_sq=need_sq)
-  return CollectorSpec(layout="loo", fold_fn_factory=lambda opt_state: loo_fold_fn(
-      find_adam_bc_state(opt_state), b1=b1, b2=b2, eps=eps))
+def adam_bc_collector_spec(mode, crossfit, correction, v_source) -> CollectorSpec:
+  """What the collector must compute for these settings (stored in the state)."""
+  if mode == "std":
+    return CollectorSpec(layout=None)
+  var_of = {"none": None, "reference_post_ema": "post_ema"}.get(
+      correction, "grad" if v_source == "sq_of_mean" else "sq")
+  layout = "all" if mode == "inv" else {"ab": "ab"}.get(crossfit, crossfit)
+  if layout == "loo":
+    return CollectorSpec(layout="loo", stateful=True)
+  return CollectorSpec(layout=layout, var_of=var_of, need_sq=v_source == "mean_sq",
+                       stateful=var_of == "post_ema")
 
 
-def find_adam_bc_state(opt_state: PyTree) -> ScaleByAdamBCState:
-  """The one ``ScaleByAdamBCState`` inside an optimizer state (chain, partition, ...)."""
-  stop = lambda x: isinstance(x, (ScaleByAdamBCState, FullBatchState))
-  found = [x for x in jax.tree.leaves(opt_state, is_leaf=stop)
-           if isinstance(x, ScaleByAdamBCState)]
-  if len(found) != 1:
-    raise ValueError(f"expected exactly one ScaleByAdamBCState in the optimizer state, found "
-                     f"{len(found)}; pass opt_state of the chain that holds scale_by_adam_bc")
-  return found[0]
+# ----------------------------------------------------------------------------- collector hooks
+
+def _moments(state: ScaleByAdamBCState, hp: dict):
+  t = state.count.astype(jnp.float32) + 1.0
+  return t, 1.0 - hp["b1"] ** t, 1.0 - hp["b2"] ** t
 
 
-def loo_fold_fn(state: ScaleByAdamBCState, b1: float, b2: float, eps: float) -> Callable:
+def loo_fold_fn(state: ScaleByAdamBCState, hp: dict) -> Callable:
   """Per-fold terms of the leave-one-out update (notes section 3.3).
 
   For fold r with g_{-r} = (m g_full - g_r) / (m - 1):
@@ -121,68 +132,192 @@ def loo_fold_fn(state: ScaleByAdamBCState, b1: float, b2: float, eps: float) -> 
       m_hat_r = (b1 m_{t-1} + (1-b1) g_r) / (1 - b1^t)
       d_r     = sqrt(max(0, (b2 v_{t-1} + (1-b2) g_{-r}^2) / (1 - b2^t))) + eps
 
-  returns ({"first": m_hat_r / d_r, "third": m_hat_r / d_r^3}, d_r). Parameters masked out
-  of the Adam-BC partition (optax.MaskedNode in the state) get scalar zeros.
+  returns ({"first": m_hat_r / d_r, "third": m_hat_r / d_r^3}, d_r); leaves masked out of
+  this state (another partition branch) get scalar zeros.
   """
-  t = state.count.astype(jnp.float32) + 1.0
-  bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
+  b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
+  _, bc1, bc2 = _moments(state, hp)
+
+  def leaf(mu, nu, gr, gf, m):
+    if _masked(mu):
+      z = jnp.zeros((), jnp.float32)
+      return z, z, z
+    g_mr = (m * gf - gr) / (m - 1)
+    m_hat = (b1 * mu + (1 - b1) * gr) / bc1
+    d = jnp.sqrt(jnp.maximum((b2 * nu + (1 - b2) * g_mr * g_mr) / bc2, 0.0)) + eps
+    return m_hat / d, m_hat / (d * d * d), d
 
   def fold(g_r, g_full, m):
-    mu_l, td = jax.tree.flatten(state.mu, is_leaf=lambda x: isinstance(x, MaskedNode))
-    nu_l = td.flatten_up_to(state.nu)
-    gr_l, gf_l = td.flatten_up_to(g_r), td.flatten_up_to(g_full)
-    first, third, ds = [], [], []
-    for mu, nu, gr, gf in zip(mu_l, nu_l, gr_l, gf_l):
-      if isinstance(mu, MaskedNode):
-        z = jnp.zeros((), jnp.float32)
-        first.append(z); third.append(z); ds.append(z)
-        continue
-      g_mr = (m * gf - gr) / (m - 1)
-      m_hat = (b1 * mu + (1 - b1) * gr) / bc1
-      v_hat = jnp.maximum((b2 * nu + (1 - b2) * g_mr * g_mr) / bc2, 0.0)
-      d = jnp.sqrt(v_hat) + eps
-      first.append(m_hat / d)
-      third.append(m_hat / (d * d * d))
-      ds.append(d)
-    un = lambda l: jax.tree.unflatten(td, l)
-    return {"first": un(first), "third": un(third)}, un(ds)
+    out = jax.tree.map(lambda mu, nu, gr, gf: leaf(mu, nu, gr, gf, m), state.mu, state.nu, g_r,
+                       g_full, is_leaf=_masked)
+    first, third, d = unzip(out, g_r, 3)
+    return {"first": first, "third": third}, d
 
   return fold
 
 
-def _inverse(v_hat, var_x, b, eps, correction, scale, reference_pre_ema):
-  """Corrected 1 / (sqrt(v_hat) + eps); var_x = Var of the statistic entering v this step."""
+def post_ema_var_fn(state: ScaleByAdamBCState, hp: dict) -> Callable:
+  """The reference code's per-microbatch denominator p_j = sqrt(max(0, (b2 v_{t-1} +
+  (1-b2) g_j^2) / (1 - b2^t))), whose Welford variance is its post-EMA Var (notes 4.2)."""
+  b2 = hp["b2"]
+  _, _, bc2 = _moments(state, hp)
+  leaf = lambda nu, g: (jnp.zeros((), jnp.float32) if _masked(nu) else
+                        jnp.sqrt(jnp.maximum((b2 * nu + (1 - b2) * g * g) / bc2, 0.0)))
+  return lambda g: jax.tree.map(leaf, state.nu, g, is_leaf=_masked)
+
+
+register_bc_state(ScaleByAdamBCState, StateHooks(fold_fn=loo_fold_fn, var_fn=post_ema_var_fn))
+
+
+# ----------------------------------------------------------------------------- formulas
+
+def var_sq_of_mean(g_bar, var_g, m):
+  """Unbiased Var(g_bar^2) from the same m microbatches: 4 g^2 V - 2 V^2 (m-1)/(m+1)."""
+  return 4.0 * g_bar * g_bar * var_g - 2.0 * (m - 1.0) / (m + 1.0) * var_g * var_g
+
+
+def corrected_inverse(v_hat, var_x, b, eps, correction, scale=1.0, reference_pre_ema=False):
+  """1 / (sqrt(v_hat) + eps), minus the delta-method term of ``correction`` (see module doc).
+
+  ``var_x`` is Var(x) of the statistic entering v this step, or Var(p_bar) of the reference
+  per-microbatch denominators for ``reference_post_ema``. Clamped at 0.
+  """
   d = jnp.sqrt(v_hat) + eps
-  inv = 1.0 / d
   if correction == "none":
-    return inv
+    return 1.0 / d
+  if correction == "reference_post_ema":
+    return delta.inv_corrected(d, var_x, scale=scale)
   u = jnp.maximum(v_hat, 1e-12)
   bv = (b * b) * var_x  # first, so that zero variance gives exactly zero correction
   if correction == "post_ema":
-    corr = bv / (4.0 * u) / (d * d * d)
+    return delta.inv_corrected(d, bv / (4.0 * u), scale=scale)
+  k2 = 3.0 / 8.0 if reference_pre_ema else 1.0 / 8.0
+  corr = bv * (1.0 / (4.0 * u * d * d * d) + k2 / (u * jnp.sqrt(u) * d * d))
+  return jnp.maximum(1.0 / d - scale * corr, 0.0)
+
+
+def adaptive_alpha(g_a: jax.Array, x_b: jax.Array, alpha_max) -> jax.Array:
+  """The reference's adaptive cross-fit weight of one tensor: alpha_max clip(cos(s_A, s_B), 0, 1)
+  with s_A = g_A^2 and s_B the B statistic."""
+  s_a = (g_a * g_a).ravel()
+  s_b = x_b.ravel()
+  cos = jnp.dot(s_a, s_b) / jnp.maximum(jnp.linalg.norm(s_a) * jnp.linalg.norm(s_b), 1e-30)
+  return alpha_max * jnp.clip(cos, 0.0, 1.0)
+
+
+# ----------------------------------------------------------------------------- transform
+
+class _Hyper(NamedTuple):
+  b1: Any
+  b2: Any
+  eps: Any
+  correction: str
+  v_source: str
+  correction_scale: Any
+  reference_pre_ema: bool
+  crossfit_alpha: Any
+  adaptive: bool
+
+
+def _statistic(h: _Hyper, grp, m) -> tuple[PyTree, PyTree]:
+  """(x, Var(x)) trees of a group: x = g_bar^2 or the mean of squares."""
+  if h.v_source == "mean_sq":
+    return grp.sq, grp.var
+  x = jax.tree.map(lambda g: g * g, grp.mean)
+  if grp.var is None:
+    return x, None
+  if h.correction == "reference_post_ema":
+    return x, grp.var
+  return x, jax.tree.map(lambda g, v: jnp.maximum(var_sq_of_mean(g, v, m), 0.0), grp.mean,
+                         grp.var)
+
+
+def _ab_leaf(h, t_bc, g, mu, nu, x, var_x):
+  """One tensor of the A/B (and inv) forms: m <- g_A, v <- x_B, u = m_hat inv(v_hat)."""
+  bc1, bc2, b = t_bc
+  if h.adaptive:
+    alpha = adaptive_alpha(g, x, h.crossfit_alpha)
   else:
-    k2 = 3.0 / 8.0 if reference_pre_ema else 1.0 / 8.0
-    corr = bv * (1.0 / (4.0 * u * d * d * d) + k2 / (u * jnp.sqrt(u) * d * d))
-  return jnp.maximum(inv - scale * corr, 0.0)
+    alpha = h.crossfit_alpha
+  x = (1 - alpha) * (g * g) + alpha * x  # alpha = 1 leaves x bit-identical
+  var_x = None if var_x is None else (alpha * alpha) * var_x
+  m_new = b1_mix(h.b1, mu, g)
+  v_new = h.b2 * nu + (1 - h.b2) * x
+  inv = corrected_inverse(jnp.maximum(v_new / bc2, 0.0), var_x, b, h.eps, h.correction,
+                          h.correction_scale, h.reference_pre_ema)
+  return (m_new / bc1) * inv, m_new, v_new
 
 
-def _var_sq_of_mean(g_bar, var_g):
-  """Var(g_bar^2) = 4 g_bar^2 Var(g_bar) + 2 Var(g_bar)^2 (Gaussian g_bar)."""
-  return 4.0 * g_bar * g_bar * var_g + 2.0 * var_g * var_g
+def b1_mix(b1, mu, g):
+  return b1 * mu + (1 - b1) * g
+
+
+def _symmetric_leaf(h, t_bc, g, mu, nu, ga, xa, va, gb, xb, vb):
+  """Persistent m, v from g_full; u = (m_hat_A inv_B + m_hat_B inv_A) / 2 (candidates)."""
+  bc1, bc2, b = t_bc
+
+  def side(g_s, x_s, var_s):
+    v_hat = jnp.maximum((h.b2 * nu + (1 - h.b2) * x_s) / bc2, 0.0)
+    return b1_mix(h.b1, mu, g_s) / bc1, corrected_inverse(
+        v_hat, var_s, b, h.eps, h.correction, h.correction_scale, h.reference_pre_ema)
+
+  m_a, inv_a = side(ga, xa, va)
+  m_b, inv_b = side(gb, xb, vb)
+  return 0.5 * (m_a * inv_b + m_b * inv_a), b1_mix(h.b1, mu, g), h.b2 * nu + (1 - h.b2) * g * g
+
+
+def _loo_leaf(h, g, mu, nu, first, third, dvar):
+  """u = mean_r m_hat_r/d_r - scale Var_r(d_r) mean_r m_hat_r/d_r^3 (sign flips zeroed)."""
+  u = first
+  if h.correction != "none":
+    u = first - h.correction_scale * dvar * third
+    u = jnp.where(jnp.sign(u) != jnp.sign(first), 0.0, u)
+  return u, b1_mix(h.b1, mu, g), h.b2 * nu + (1 - h.b2) * g * g
+
+
+def _std_leaf(h, t_bc, g, mu, nu):
+  bc1, bc2, _ = t_bc
+  m_new, v_new = b1_mix(h.b1, mu, g), h.b2 * nu + (1 - h.b2) * g * g
+  return (m_new / bc1) / (jnp.sqrt(v_new / bc2) + h.eps), m_new, v_new
+
+
+def _directions(h, mode, crossfit, t_bc, g, state, st):
+  """(u, m, v) trees of the chosen form; ``g`` is the float32 numerator."""
+  mu, nu = state.mu, state.nu
+  if mode == "std":
+    return unzip(tmap(lambda *a: _std_leaf(h, t_bc, *a), g, mu, nu), g, 3)
+  if mode in ("cf", "full") and crossfit == "loo":
+    if st.loo is None:
+      raise ValueError("crossfit='loo' needs bc_stats from the 'loo' layout")
+    lo = [align(x, g) for x in (st.loo.mean["first"], st.loo.mean["third"], st.loo.var)]
+    return unzip(tmap(lambda *a: _loo_leaf(h, *a), g, mu, nu, *lo), g, 3)
+  zeros = lambda tr: tr if tr is not None else jax.tree.map(lambda _: jnp.zeros(()), g)
+  if mode in ("cf", "full") and crossfit == "symmetric":
+    xa, va = _statistic(h, st.a, st.a.count)
+    xb, vb = _statistic(h, st.b, st.b.count)
+    trees = [align(zeros(x), g) for x in (st.a.mean, xa, va, st.b.mean, xb, vb)]
+    return unzip(tmap(lambda *a: _symmetric_leaf(h, t_bc, *a), g, mu, nu, *trees), g, 3)
+  x, var_x = _statistic(h, st.b, st.b.count)
+  if h.correction != "none" and var_x is None:
+    raise ValueError("a variance correction needs group variances in bc_stats; collect them "
+                     "with scaleopt.optim.collect from this transform's state")
+  x, var_x = align(x, g), align(zeros(var_x), g)
+  return unzip(tmap(lambda *a: _ab_leaf(h, t_bc, *a), g, mu, nu, x, var_x), g, 3)
 
 
 def scale_by_adam_bc(
     b1: float = 0.9,
-    b2: float = 0.999,
+    b2: float = 0.95,
     eps: float = 1e-8,
     *,
-    mode: str = "std",
-    crossfit: str = "ab",
+    mode: str = "full",
+    crossfit: str = "loo",
     correction: Optional[str] = None,
     v_source: str = "sq_of_mean",
     correction_scale: float = 1.0,
     reference_pre_ema: bool = False,
     crossfit_alpha: float = 1.0,
+    crossfit_alpha_adaptive: bool = False,
     update_clip: float = 0.0,
     support_clip_tau: float = 0.0,
     std_warmup_steps: int = 0,
@@ -191,49 +326,50 @@ def scale_by_adam_bc(
 ) -> optax.GradientTransformationExtraArgs:
   """Adam's scaling with cross-fitting and variance-corrected inversion.
 
-  ``update(updates, state, params=None, *, bc_stats=None)``: ``updates`` is the numerator
-  gradient (``bc_stats.numerator``, possibly clipped by transforms chained in front);
-  ``bc_stats`` is what ``scaleopt.optim.collect`` returned with ``adam_bc_spec(...)``.
+  ``update(updates, state, params=None, *, bc_stats=None)``: ``updates`` is
+  ``bc_stats.numerator``; ``bc_stats`` comes from ``scaleopt.optim.collect(loss_fn, params,
+  microbatches, opt_state)``, which reads what to collect from this transform's state.
 
-  Modes (``crossfit`` picks the cross-fit form for ``cf``/``full``):
+  Forms (``crossfit`` picks the cross-fit layout for ``cf``/``full``):
 
-  * ``std``: Adam. Works without ``bc_stats`` and then equals ``optax.scale_by_adam``.
-  * ``cf`` + ``ab``: m <- g_A, v <- x_B (x_B = g_bar_B^2 or mean_j g_Bj^2), u = m_hat / D.
-  * ``inv``: all microbatches in one group, u = m_hat * inv(v_hat, Var(x)).
-  * ``full`` + ``ab``: cross-fit and corrected inverse with Var from group B.
-  * ``symmetric``: persistent m, v from the full batch; candidate moments per half,
-    u = (m_hat_A inv_B + m_hat_B inv_A) / 2 (``full``: each inv corrected).
-  * ``loo``: persistent m, v from the full batch; u = mean_r m_hat_r / d_r
-    (``full``: minus correction_scale * Var_r(d_r) * mean_r m_hat_r / d_r^3, and coordinates
-    whose sign the correction flips are zeroed).
+  * ``std``: Adam; works without ``bc_stats`` and equals ``optax.scale_by_adam``.
+  * ``ab`` / ``rolling_b``: m <- g_A, v <- x_B, u = m_hat inv(v_hat) (``full``: Var from B).
+  * ``inv``: all microbatches in one group, u = m_hat inv(v_hat, Var(x)).
+  * ``symmetric``: persistent m, v from g_full; candidate moments per half,
+    u = (m_hat_A inv_B + m_hat_B inv_A) / 2 (same examples as std).
+  * ``loo``: persistent m, v from g_full; u = mean_r m_hat_r / d_r (``full``: minus
+    correction_scale Var_r(d_r) mean_r m_hat_r / d_r^3, sign flips zeroed).
 
   Args:
     b1, b2, eps: Adam's decay rates and epsilon (outside the square root).
     mode, crossfit, correction, v_source: see above and the module docstring.
     correction_scale: multiplies the subtracted delta-method term (1.0 = delta method).
     reference_pre_ema: use the reference code's 3/8 pre-EMA coefficient instead of 1/8.
-    crossfit_alpha: partial cross-fit, x = (1-alpha) g_A^2 + alpha x_B (A/B form only).
+    crossfit_alpha: partial cross-fit, x = (1-alpha) g_A^2 + alpha x_B (``ab`` forms).
+    crossfit_alpha_adaptive: alpha = crossfit_alpha clip(cos(g_A^2, x_B), 0, 1) per tensor.
     update_clip: if > 0, clip every coordinate of u to [-c, c] (trust region).
     support_clip_tau: if > 0, u_k <- u_k min(1, sqrt(tau (x_k + 1e-12) / (g_Ak^2 + 1e-12))).
-    std_warmup_steps: run plain Adam on the full batch for the first K steps.
-    skip_nonfinite: a tensor whose update is not finite gets a zero update and keeps its
-      moments.
-    state_dtype: dtype name of m and v (float32 by default, also for bf16 parameters).
+    std_warmup_steps: plain Adam on the full batch for the first K steps.
+    skip_nonfinite: a tensor with a non-finite update gets a zero update and keeps its
+      moments; the count is in ``state.skipped`` (the train step treats it as a skipped step).
+    state_dtype: dtype of m and v (float32 by default, also for bf16 parameters).
 
   Numeric arguments may be arrays (``optax.inject_hyperparams`` turns them into state).
   """
   correction = _resolve(mode, crossfit, correction, v_source)
+  if crossfit_alpha_adaptive and crossfit not in ("ab", "rolling_b"):
+    raise ValueError("crossfit_alpha_adaptive applies to crossfit='ab' or 'rolling_b'")
+  spec = adam_bc_collector_spec(mode, crossfit, correction, v_source)
   state_dtype = jnp.dtype(state_dtype)
-  maybe_warm = not (isinstance(std_warmup_steps, int) and std_warmup_steps == 0)
-  if correction == "pre_ema" and mode == "full" and crossfit == "loo":
-    raise ValueError("crossfit='loo' implements the post-EMA (fold-variance) correction only; "
-                     "use correction='post_ema'")
+  h = _Hyper(b1, b2, eps, correction, v_source, correction_scale, reference_pre_ema,
+             crossfit_alpha, crossfit_alpha_adaptive)
+  hp = lambda: {k: jnp.asarray(v, jnp.float32) for k, v in (("b1", b1), ("b2", b2), ("eps", eps))}
+  is_zero = lambda v: isinstance(v, (int, float)) and v == 0
 
   def init_fn(params):
     z = lambda p: jnp.zeros(jnp.shape(p), state_dtype)
-    mu = jax.tree.map(z, params)
-    return ScaleByAdamBCState(count=jnp.zeros([], jnp.int32), mu=mu,
-                              nu=jax.tree.map(z, params))
+    return ScaleByAdamBCState(jnp.zeros([], jnp.int32), jax.tree.map(z, params),
+                              jax.tree.map(z, params), jnp.zeros([], jnp.int32), Static(spec), hp())
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     del params
@@ -241,125 +377,33 @@ def scale_by_adam_bc(
       raise ValueError(f"scale_by_adam_bc(mode={mode!r}) needs bc_stats from "
                        "scaleopt.optim.collect; only mode='std' works without them")
     count_inc = optax.safe_increment(state.count)
-    t = count_inc
-    bc1 = 1 - b1 ** t
-    bc2 = 1 - b2 ** t
-    b = (1 - b2) / bc2  # weight of this step's statistic in v_hat
-
-    is_masked = lambda x: isinstance(x, MaskedNode)
-    g_l, td = jax.tree.flatten(updates, is_leaf=is_masked)
-    mu_l, nu_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
-    st = bc_stats if mode != "std" or maybe_warm else None
-
-    def flat(get):
-      """Leaves of get(bc_stats) aligned with `updates` (Nones where not collected)."""
-      try:
-        tree = get(st) if st is not None else None
-      except AttributeError:  # a group that the layout does not have
-        tree = None
-      return td.flatten_up_to(tree) if tree is not None else [None] * len(g_l)
-
-    full_l = flat(lambda s: s.full)
-    a_l, a_sq_l, a_var_l = (flat(lambda s: s.a.mean), flat(lambda s: s.a.sq),
-                            flat(lambda s: s.a.var))
-    b_mean_l, b_sq_l, b_var_l = (flat(lambda s: s.b.mean), flat(lambda s: s.b.sq),
-                                 flat(lambda s: s.b.var))
-    loo = st.loo if st is not None else None
-    if mode in ("cf", "full") and crossfit == "loo":
-      if loo is None:
-        raise ValueError("crossfit='loo' needs bc_stats from a 'loo' collector layout")
-      first_l, third_l, dvar_l = (flat(lambda s: s.loo.mean["first"]),
-                                  flat(lambda s: s.loo.mean["third"]), flat(lambda s: s.loo.var))
-    warm = (state.count < std_warmup_steps) if maybe_warm else None
-
-    new_u, new_mu, new_nu = [], [], []
-    for i, (g, mu, nu) in enumerate(zip(g_l, mu_l, nu_l)):
-      if is_masked(g):
-        new_u.append(g); new_mu.append(mu); new_nu.append(nu)
-        continue
-      out_dtype = g.dtype
-      g = g.astype(state_dtype)
-
-      def adam_std(g_num):
-        m_ = (1 - b1) * g_num + b1 * mu
-        v_ = (1 - b2) * (g_num ** 2) + b2 * nu
-        m_hat = m_ / bc1.astype(m_.dtype)
-        v_hat = v_ / bc2.astype(v_.dtype)
-        return m_hat / (jnp.sqrt(v_hat + 0.0) + eps), m_, v_
-
-      def statistic(g_bar, var_g, sq, var_sq):
-        """x entering v this step and Var(x)."""
-        if v_source == "sq_of_mean":
-          return g_bar * g_bar, (None if var_g is None else _var_sq_of_mean(g_bar, var_g))
-        if sq is None:
-          raise ValueError("v_source='mean_sq' needs the mean of per-microbatch squares in "
-                           "bc_stats (collector spec need_sq=True)")
-        return sq, var_sq
-
-      if mode == "std":
-        u, m_new, v_new = adam_std(g)
-      elif mode == "inv" or crossfit == "ab":
-        if mode == "inv":
-          x, var_x = statistic(g, b_var_l[i], b_sq_l[i], b_var_l[i])
-        else:
-          x, var_x = statistic(b_mean_l[i], b_var_l[i], b_sq_l[i], b_var_l[i])
-          # partial cross-fit; alpha = 1 leaves x and Var(x) bit-identical
-          x = (1 - crossfit_alpha) * (g * g) + crossfit_alpha * x
-          var_x = None if var_x is None else (crossfit_alpha * crossfit_alpha) * var_x
-        if correction != "none" and var_x is None:
-          raise ValueError("a variance correction needs bc_stats with group variances "
-                           "(collector spec from adam_bc_spec with the same settings)")
-        m_new = (1 - b1) * g + b1 * mu
-        v_new = (1 - b2) * x + b2 * nu
-        m_hat = m_new / bc1.astype(m_new.dtype)
-        v_hat = jnp.maximum(v_new / bc2.astype(v_new.dtype), 0.0)
-        inv = _inverse(v_hat, var_x if correction != "none" else None, b, eps, correction,
-                       correction_scale, reference_pre_ema)
-        u = m_hat * inv
-        if mode != "inv" and not (isinstance(support_clip_tau, (int, float))
-                                  and support_clip_tau == 0):
-          ratio = support_clip_tau * (x + 1e-12) / (g * g + 1e-12)
-          u = jnp.where(support_clip_tau > 0, u * jnp.minimum(1.0, jnp.sqrt(ratio)), u)
-      elif crossfit == "symmetric":
-        # persistent moments from the full batch (numerator `updates` = g_full)
-        m_new = (1 - b1) * g + b1 * mu
-        v_new = (1 - b2) * (g * g) + b2 * nu
-        def side(g_bar, var_g, sq, var_sq):
-          x, var_x = statistic(g_bar, var_g, sq, var_sq)
-          m_hat = ((1 - b1) * g_bar + b1 * mu) / bc1
-          v_hat = jnp.maximum(((1 - b2) * x + b2 * nu) / bc2, 0.0)
-          inv = _inverse(v_hat, var_x, b, eps, correction, correction_scale, reference_pre_ema)
-          return m_hat, inv
-        m_a, inv_a = side(a_l[i], a_var_l[i], a_sq_l[i], a_var_l[i])
-        m_b, inv_b = side(b_mean_l[i], b_var_l[i], b_sq_l[i], b_var_l[i])
-        u = 0.5 * (m_a * inv_b + m_b * inv_a)
-      else:  # loo
-        m_new = (1 - b1) * g + b1 * mu
-        v_new = (1 - b2) * (g * g) + b2 * nu
-        u_first = first_l[i]
-        if correction != "none":
-          u = u_first - correction_scale * dvar_l[i] * third_l[i]
-          u = jnp.where(jnp.sign(u) != jnp.sign(u_first), 0.0, u)
-        else:
-          u = u_first
-      if not (isinstance(update_clip, (int, float)) and update_clip == 0):
-        u = jnp.where(update_clip > 0, jnp.clip(u, -update_clip, update_clip), u)
-      if warm is not None:
-        u_w, m_w, v_w = adam_std(full_l[i] if full_l[i] is not None else g)
-        u = jnp.where(warm, u_w, u)
-        m_new = jnp.where(warm, m_w, m_new)
-        v_new = jnp.where(warm, v_w, v_new)
-      if skip_nonfinite and mode != "std":
-        ok = jnp.all(jnp.isfinite(u))
-        u = jnp.where(ok, u, 0.0)
-        m_new = jnp.where(ok, m_new, mu)
-        v_new = jnp.where(ok, v_new, nu)
-      new_u.append(u.astype(out_dtype))
-      new_mu.append(m_new.astype(state_dtype))
-      new_nu.append(v_new.astype(state_dtype))
-
-    un = lambda l: jax.tree.unflatten(td, l)
-    return un(new_u), ScaleByAdamBCState(count=count_inc, mu=un(new_mu), nu=un(new_nu))
+    bc2 = 1 - b2 ** count_inc
+    t_bc = (1 - b1 ** count_inc, bc2, (1 - b2) / bc2)
+    g = tmap(lambda x: x.astype(jnp.float32), updates)
+    u, m_new, v_new = _directions(h, mode, crossfit, t_bc, g, state, bc_stats)
+    if mode in ("cf", "full") and crossfit in ("ab", "rolling_b") and not is_zero(support_clip_tau):
+      x_b = align(bc_stats.b.sq if v_source == "mean_sq" else
+                  jax.tree.map(lambda t: t * t, bc_stats.b.mean), g)
+      u = tmap(lambda u_, x, ga: jnp.where(support_clip_tau > 0, u_ * jnp.minimum(1.0, jnp.sqrt(
+          support_clip_tau * (x + 1e-12) / (ga * ga + 1e-12))), u_), u, x_b, g)
+    if not is_zero(update_clip):  # arrays under inject_hyperparams: 0 still means off
+      u = tmap(lambda x: jnp.where(update_clip > 0, jnp.clip(x, -update_clip, update_clip), x), u)
+    if not is_zero(std_warmup_steps):
+      full = align(bc_stats.full, g) if bc_stats is not None else g
+      w = unzip(tmap(lambda *a: _std_leaf(h, t_bc, *a), full, state.mu, state.nu), g, 3)
+      warm = state.count < std_warmup_steps
+      u, m_new, v_new = (tmap(lambda a, b_: jnp.where(warm, a, b_), x, y)
+                         for x, y in zip(w, (u, m_new, v_new)))
+    skipped = jnp.zeros([], jnp.int32)
+    if skip_nonfinite and mode != "std":
+      ok = tmap(lambda x: jnp.all(jnp.isfinite(x)), u)
+      u, m_new, v_new = (tmap(lambda o, n, old: jnp.where(o, n, old), ok, new, old)
+                         for new, old in ((u, tmap(jnp.zeros_like, u)), (m_new, state.mu),
+                                          (v_new, state.nu)))
+      skipped = jnp.asarray(sum(jnp.sum(~o) for o in jax.tree.leaves(ok)), jnp.int32)
+    out = tmap(lambda x, ref: x.astype(ref.dtype), u, updates)
+    cast = lambda tr: tmap(lambda x: x.astype(state_dtype), tr)
+    return out, ScaleByAdamBCState(count_inc, cast(m_new), cast(v_new), skipped, state.spec, hp())
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -371,8 +415,8 @@ def adamw_bc(
     eps: float = 1e-8,
     weight_decay: float = 0.1,
     *,
-    mode: str = "std",
-    crossfit: str = "ab",
+    mode: str = "full",
+    crossfit: str = "loo",
     correction: Optional[str] = None,
     mask: Optional[Union[PyTree, Callable[[PyTree], PyTree]]] = None,
     sparse_filter: Optional[Callable[[PyTree], PyTree]] = None,
@@ -381,6 +425,7 @@ def adamw_bc(
     correction_scale: float = 1.0,
     reference_pre_ema: bool = False,
     crossfit_alpha: float = 1.0,
+    crossfit_alpha_adaptive: bool = False,
     update_clip: float = 0.0,
     support_clip_tau: float = 0.0,
     std_warmup_steps: int = 0,
@@ -391,26 +436,26 @@ def adamw_bc(
 
       theta <- theta - lr (u + wd theta)      (= theta (1 - lr wd) - lr u)
 
-  With ``mode="std"`` and ``correction="none"`` this is ``optax.adamw`` (same operations).
+  Defaults: leave-one-out cross-fit with the Jensen correction (``mode="full"``,
+  ``crossfit="loo"``), the form that trains best (docs/results.md). With ``mode="std"`` this is
+  ``optax.adamw`` (same operations).
 
   Args:
     learning_rate: a float or an Optax schedule.
     b1, b2, eps, weight_decay: AdamW's hyperparameters (paper pretraining defaults).
-    mode, crossfit, correction: see ``scale_by_adam_bc``.
     mask: weight-decay mask (a pytree of bools or a callable params -> pytree), as in
       ``optax.adamw``.
     sparse_filter: callable params -> pytree of bools marking sparse-support tensors (token
-      embeddings, tied heads). Those are trained with plain AdamW on the full-batch gradient
-      (``bc_stats.full``) and ``sparse_learning_rate`` (default ``learning_rate``), through
-      ``optax.partition``, as in the paper's hybrid LOO run.
-    v_source, correction_scale, reference_pre_ema, crossfit_alpha, update_clip,
-    support_clip_tau, std_warmup_steps, skip_nonfinite, state_dtype: see
-      ``scale_by_adam_bc`` (explicit so that ``optax.inject_hyperparams`` sees them).
+      embeddings, tied heads). Those are trained with plain AdamW on the step's own full-batch
+      gradient (``bc_stats.full``) and ``sparse_learning_rate`` (default ``learning_rate``),
+      through ``optax.partition``, as in the paper's hybrid LOO run.
+    Others: see ``scale_by_adam_bc``.
   """
   dense = optax.chain(
       scale_by_adam_bc(b1, b2, eps, mode=mode, crossfit=crossfit, correction=correction,
                        v_source=v_source, correction_scale=correction_scale,
                        reference_pre_ema=reference_pre_ema, crossfit_alpha=crossfit_alpha,
+                       crossfit_alpha_adaptive=crossfit_alpha_adaptive,
                        update_clip=update_clip, support_clip_tau=support_clip_tau,
                        std_warmup_steps=std_warmup_steps, skip_nonfinite=skip_nonfinite,
                        state_dtype=state_dtype),
@@ -420,7 +465,7 @@ def adamw_bc(
   if sparse_filter is None:
     return dense
   sparse = optax.chain(
-      _full_batch(scale_by_adam_bc(b1, b2, eps, mode="std", state_dtype=state_dtype)),
+      full_batch(scale_by_adam_bc(b1, b2, eps, mode="std", state_dtype=state_dtype)),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(
           learning_rate if sparse_learning_rate is None else sparse_learning_rate),
@@ -432,25 +477,12 @@ def adamw_bc(
   return optax.partition({"dense": dense, "sparse": sparse}, labels)
 
 
-class FullBatchState(NamedTuple):
-  """State of the sparse (full-batch AdamW) branch of ``adamw_bc``."""
-  inner: PyTree
-
-
-def _full_batch(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+def full_batch(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
   """Feeds ``bc_stats.full`` (when given) to ``inner`` instead of the numerator gradient."""
-
-  def init_fn(params):
-    return FullBatchState(inner.init(params))
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     if bc_stats is not None:
-      is_masked = lambda x: isinstance(x, MaskedNode)
-      u_l, td = jax.tree.flatten(updates, is_leaf=is_masked)
-      f_l = td.flatten_up_to(bc_stats.full)
-      updates = jax.tree.unflatten(
-          td, [u if is_masked(u) else f.astype(u.dtype) for u, f in zip(u_l, f_l)])
-    updates, new = inner.update(updates, state.inner, params)
-    return updates, FullBatchState(new)
+      updates = tmap(lambda u, f: f.astype(u.dtype), updates, align(bc_stats.full, updates))
+    return inner.update(updates, state, params)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)

@@ -1,79 +1,69 @@
-"""Optimizers from config: ``build(config) -> (tx, spec)``.
+"""Optimizers from config through a registry: ``build(config) -> (tx, spec)``.
 
 ``tx`` is a ready Optax chain
 
-    clip_by_global_norm(clip_norm)  ->  optimizer scaling  ->  add_decayed_weights(wd, wd_mask)
-                                    ->  scale_by_learning_rate(schedule)
+    clip_by_global_norm(clip_norm)  ->  the registered optimizer (scaling, decoupled weight
+                                        decay under ``wd_mask``, learning-rate schedule)
 
-(Muon applies its own weight decay and learning rate inside ``optax.contrib.muon``) and
-``spec`` is the ``CollectorSpec`` that tells the train step which microbatch layout and extra
-estimator passes the optimizer needs. Every transform takes ``update(numerator, state, params,
-bc_stats=stats)``; transforms that need no statistics ignore ``bc_stats``. The train step gets
-``stats`` from ``collect_step(loss_fn, params, microbatches, spec, ...)``, which dispatches on
-``spec`` (plain collector, Sophia's curvature pass, Shampoo's two-pass factor statistics).
+and ``spec`` the ``CollectorSpec`` derived from ``tx``'s state (``collector_spec``), which
+tells the train step's data pipeline its layout. The train step calls
+``collect(loss_fn, params, microbatches, opt_state, ...)`` and
+``tx.update(stats.numerator, opt_state, params, bc_stats=stats)``.
 
-Config: a plain dict or an ``OptimizerConfig``. Keys (defaults in ``OptimizerConfig``):
-``name``, ``learning_rate``, ``schedule`` (see ``scaleopt.optim.schedules``), ``clip_norm``
-(0 = off), ``weight_decay``, ``b1``, ``b2``, ``eps`` (None = the optimizer's default) and
-``extra``, a dict of per-optimizer settings whose allowed keys are listed in ``EXTRA_KEYS``.
+Registry (levanter's registered optimizer configs are the model): ``register_optimizer(name,
+factory)`` with ``factory(cfg: OptimizerConfig, learning_rate: schedule, *, wd_mask,
+sparse_filter) -> GradientTransformation``. The shipped names register the same way below.
+
+Config: a plain dict or an ``OptimizerConfig``. Keys: ``name``, ``learning_rate``,
+``schedule`` (see ``scaleopt.optim.schedules``), ``clip_norm`` (0 = off), ``clip_numerator_only``
+(the reference code's clip), ``weight_decay``, ``b1``, ``b2``, ``eps`` (None = the optimizer's
+own default) and ``extra``: keyword arguments of the optimizer's alias (``adamw_bc``,
+``sophia``, ``shampoo``, ...); an unknown one is an error naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional, Union
+import inspect
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import jax
+import jax.numpy as jnp
 import optax
 
-from scaleopt.optim import adam_bc, shampoo, sophia
-from scaleopt.optim.collect import BCStats, CollectorSpec, collect
+from scaleopt.optim import adam_bc, shampoo_lib, sophia_lib
+from scaleopt.optim.collect import CollectorSpec, clip_by_global_norm, collector_spec
 from scaleopt.optim.schedules import ScheduleConfig, make_schedule
 
 PyTree = Any
+Factory = Callable[..., optax.GradientTransformation]
 
-NAMES = ("adamw", "adamw_bc", "sophia", "sophia_bc", "shampoo", "shampoo_bc", "muon")
 
-# Per-optimizer defaults of b1, b2, eps (None in the config picks these).
-_BETAS = {
-    "adamw": (0.9, 0.95, 1e-8),
-    "adamw_bc": (0.9, 0.95, 1e-8),
-    "sophia": (0.965, 0.99, 1e-12),
-    "sophia_bc": (0.965, 0.99, 1e-12),
-    "shampoo": (0.9, 0.95, 1e-8),
-    "shampoo_bc": (0.9, 0.95, 1e-8),
-    "muon": (0.95, 0.95, 1e-8),
-}
+class Registered(NamedTuple):
+  factory: Factory
+  extra_keys: Optional[tuple]  # None: any key (the factory validates)
 
-# Allowed ``extra`` keys and their defaults, per optimizer. ``None`` means "the transform's
-# default". Values are validated by the transforms themselves (they name key and choices).
-_ADAM_BC_EXTRA = dict(mode="full", crossfit="loo", correction=None, v_source="sq_of_mean",
-                      rolling_b=False, correction_scale=1.0, reference_pre_ema=False,
-                      crossfit_alpha=1.0, update_clip=0.0, support_clip_tau=0.0,
-                      std_warmup_steps=0, sparse_lr_ratio=1.0)
-_SOPHIA_EXTRA = dict(estimator="gnb", rho=0.05, k=10, clip=1.0, denominator_scale="matched",
-                     count_unit="tokens", statistic=None, bs=None,
-                     bias_correct_momentum=False, hessian_first=True)
-_SOPHIA_BC_EXTRA = dict(_SOPHIA_EXTRA, mode="full", crossfit="ab", correction=None,
-                        rolling_b=False, correction_scale=1.0)
-_SHAMPOO_EXTRA = dict(block_size=1024, max_dim=8192, min_dim=2, stats_every=1, root_every=10,
-                      damping=1e-6, eig_floor_ratio=1e-3, root_method="eigh",
-                      newton_iters=30, graft="none", adam_b2=None, update_clip_fro=0.0,
-                      d_max=0.0, stacked="auto")
-_SHAMPOO_BC_EXTRA = dict(_SHAMPOO_EXTRA, mode="full", crossfit="ab", rolling_b=False,
-                         correction_scale=1.0)
-_MUON_EXTRA = dict(ns_steps=5, nesterov=True, adam_b1=0.9, adam_b2=0.95, adam_lr_ratio=1.0,
-                   consistent_rms=None)
 
-EXTRA_KEYS: dict[str, dict[str, Any]] = {
-    "adamw": {},
-    "adamw_bc": _ADAM_BC_EXTRA,
-    "sophia": _SOPHIA_EXTRA,
-    "sophia_bc": _SOPHIA_BC_EXTRA,
-    "shampoo": _SHAMPOO_EXTRA,
-    "shampoo_bc": _SHAMPOO_BC_EXTRA,
-    "muon": _MUON_EXTRA,
-}
+_REGISTRY: dict[str, Registered] = {}
+
+
+def register_optimizer(name: str, factory: Optional[Factory] = None, *,
+                       extra_keys: Optional[tuple] = None):
+  """Registers ``factory`` under ``name`` (usable as a decorator).
+
+  ``factory(cfg, learning_rate, *, wd_mask, sparse_filter)`` returns the transform without
+  clipping (``build`` adds it); ``cfg.betas()`` gives the config's b1, b2, eps that are set.
+  ``extra_keys``: the allowed ``cfg.extra`` keys (validated with the config), None for any.
+  """
+  def deco(f):
+    _REGISTRY[name] = Registered(f, None if extra_keys is None else tuple(extra_keys))
+    return f
+  return deco(factory) if factory is not None else deco
+
+
+def names() -> tuple[str, ...]:
+  """Registered optimizer names."""
+  return tuple(_REGISTRY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +73,7 @@ class OptimizerConfig:
   learning_rate: float = 6e-4
   schedule: Any = dataclasses.field(default_factory=ScheduleConfig)
   clip_norm: float = 1.0
+  clip_numerator_only: bool = False
   weight_decay: float = 0.1
   b1: Optional[float] = None
   b2: Optional[float] = None
@@ -90,25 +81,25 @@ class OptimizerConfig:
   extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
-    if self.name not in NAMES:
-      raise ValueError(f"optimizer.name={self.name!r} is not allowed; choose one of {NAMES}")
+    if self.name not in _REGISTRY:
+      raise ValueError(f"optimizer.name={self.name!r} is not registered; choose one of "
+                       f"{names()} or register_optimizer() it")
     object.__setattr__(self, "schedule", ScheduleConfig.from_dict(self.schedule))
     _num("learning_rate", self.learning_rate, lo=0.0)
     _num("clip_norm", self.clip_norm, lo=0.0)
     _num("weight_decay", self.weight_decay, lo=0.0)
     for k in ("b1", "b2"):
-      v = getattr(self, k)
-      if v is not None:
-        _num(k, v, lo=0.0, hi=1.0, hi_open=True)
+      if getattr(self, k) is not None:
+        _num(k, getattr(self, k), lo=0.0, hi=1.0, hi_open=True)
     if self.eps is not None:
       _num("eps", self.eps, lo=0.0)
     if not isinstance(self.extra, Mapping):
       raise ValueError(f"optimizer.extra must be a mapping, got {type(self.extra).__name__}")
-    allowed = EXTRA_KEYS[self.name]
+    allowed = _REGISTRY[self.name].extra_keys
     for k in self.extra:
-      if k not in allowed:
+      if allowed is not None and k not in allowed:
         raise ValueError(f"optimizer.extra.{k} is not a known key for name={self.name!r}; "
-                         f"allowed keys: {tuple(allowed) or '(none)'}")
+                         f"allowed keys: {allowed or '(none)'}")
 
   @classmethod
   def from_dict(cls, d: Union[Mapping[str, Any], "OptimizerConfig"]) -> "OptimizerConfig":
@@ -123,14 +114,10 @@ class OptimizerConfig:
         raise ValueError(f"optimizer.{k} is not a known key; allowed keys: {allowed}")
     return cls(**dict(d))
 
-  def resolved_extra(self) -> dict[str, Any]:
-    """``extra`` with every allowed key, defaults filled in."""
-    return {**EXTRA_KEYS[self.name], **dict(self.extra)}
-
-  def betas(self) -> tuple[float, float, float]:
-    d1, d2, de = _BETAS[self.name]
-    pick = lambda v, d: d if v is None else float(v)
-    return pick(self.b1, d1), pick(self.b2, d2), pick(self.eps, de)
+  def betas(self) -> dict[str, float]:
+    """The b1, b2, eps the config sets (the optimizer's own defaults apply to the others)."""
+    return {k: float(getattr(self, k)) for k in ("b1", "b2", "eps")
+            if getattr(self, k) is not None}
 
 
 def _num(name, v, lo=None, hi=None, hi_open=False):
@@ -142,10 +129,6 @@ def _num(name, v, lo=None, hi=None, hi_open=False):
   if not ok:
     rng = f"[{lo}, {hi}{')' if hi_open else ']'}" if hi is not None else f">= {lo}"
     raise ValueError(f"optimizer.{name}={v!r} must be a number in {rng}")
-
-
-def _chain(*parts) -> optax.GradientTransformationExtraArgs:
-  return optax.chain(*[p for p in parts if p is not None])
 
 
 def build(config: Union[Mapping[str, Any], OptimizerConfig], *,
@@ -160,74 +143,126 @@ def build(config: Union[Mapping[str, Any], OptimizerConfig], *,
       (True = decay); None decays every parameter (as the paper's code does).
     sparse_filter: callable params -> pytree of bools marking sparse-support tensors
       (embeddings). ``adamw_bc`` trains them with full-batch AdamW (no cross-fit); Shampoo
-      keeps them on its AdamW fallback (``exclude``); Sophia ignores it.
+      keeps them on its AdamW fallback; Muon on Adam; Sophia ignores it.
 
   Returns:
-    tx: ``optax.GradientTransformationExtraArgs``; call
-      ``tx.update(stats.numerator, opt_state, params, bc_stats=stats)``.
-    spec: ``CollectorSpec`` for ``collect_step``.
+    tx: ``optax.GradientTransformationExtraArgs``; spec: ``collector_spec(tx)``.
   """
   cfg = OptimizerConfig.from_dict(config)
-  b1, b2, eps = cfg.betas()
-  ex = cfg.resolved_extra()
   lr = make_schedule(cfg.schedule, cfg.learning_rate)
-  clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm > 0 else None
-  wd = cfg.weight_decay
-  name = cfg.name
 
-  if name == "adamw":
-    tx = _chain(clip, optax.scale_by_adam(b1, b2, eps),
-                optax.add_decayed_weights(wd, wd_mask), optax.scale_by_learning_rate(lr))
-    return tx, CollectorSpec(layout="all")
+  def make(wd_mask, sparse_filter):
+    try:
+      inner = _REGISTRY[cfg.name].factory(cfg, lr, wd_mask=wd_mask, sparse_filter=sparse_filter)
+    except TypeError as e:  # an ``extra`` key the alias does not take
+      raise ValueError(f"optimizer.extra for name={cfg.name!r}: {e}") from None
+    if cfg.clip_norm > 0:
+      clip = clip_by_global_norm(cfg.clip_norm, numerator_only=cfg.clip_numerator_only)
+      return optax.chain(clip, inner)
+    return inner
 
-  if name == "adamw_bc":
-    ratio = ex.pop("sparse_lr_ratio")
-    rolling_b = ex.pop("rolling_b")
-    sparse_lr = None
-    if sparse_filter is not None and ratio != 1.0:
-      sparse_lr = make_schedule(cfg.schedule, cfg.learning_rate * ratio)
-    spec = adam_bc.adam_bc_spec(ex["mode"], ex["crossfit"], ex["correction"], ex["v_source"],
-                                rolling_b=rolling_b, b1=b1, b2=b2, eps=eps)
-    inner = adam_bc.adamw_bc(lr, b1, b2, eps, wd, mask=wd_mask, sparse_filter=sparse_filter,
-                             sparse_learning_rate=sparse_lr, **ex)
-    return _chain(clip, inner), spec
+  # The spec is read from the state of an unmasked copy traced on an empty tree (masks and
+  # filters only route tensors; they do not change what is collected).
+  return make(wd_mask, sparse_filter), collector_spec(make(None, None))
 
-  if name in ("sophia", "sophia_bc"):
-    kw = dict(ex)
-    if name == "sophia":
-      kw.update(mode="std")
-    rolling_b = kw.pop("rolling_b", False)
-    crossfit = kw.pop("crossfit", "ab")
-    spec = sophia.sophia_spec(crossfit=crossfit, rolling_b=rolling_b, **kw)
-    inner = sophia.sophia(lr, b1, b2, eps, wd, mask=wd_mask, **kw)
-    return _chain(clip, inner), spec
 
-  if name in ("shampoo", "shampoo_bc"):
-    kw = dict(ex)
-    if name == "shampoo":
-      kw.update(mode="std")
-    rolling_b = kw.pop("rolling_b", False)
-    crossfit = kw.pop("crossfit", "ab")
-    spec = shampoo.shampoo_spec(crossfit=crossfit, rolling_b=rolling_b, b2=b2, **kw)
+def _kwargs_of(fn: Callable, *drop: str) -> tuple[str, ...]:
+  """Keyword arguments of an alias (the allowed ``extra`` keys), without ``drop``."""
+  skip = {"learning_rate", "b1", "b2", "eps", "weight_decay", "mask"} | set(drop)
+  return tuple(p for p in inspect.signature(fn).parameters if p not in skip)
+
+
+# ----------------------------------------------------------------------------- shipped names
+
+@register_optimizer("adamw", extra_keys=())
+def _adamw(cfg, lr, *, wd_mask, sparse_filter):
+  """optax.adamw with the paper's pretraining betas (0.9, 0.95, 1e-8) unless set."""
+  del sparse_filter
+  betas = {"b1": 0.9, "b2": 0.95, "eps": 1e-8, **cfg.betas()}
+  return optax.adamw(lr, **betas, weight_decay=cfg.weight_decay, mask=wd_mask)
+
+
+_ADAMW_BC_KEYS = _kwargs_of(adam_bc.adamw_bc, "sparse_filter", "sparse_learning_rate") + (
+    "sparse_lr_ratio",)
+
+
+@register_optimizer("adamw_bc", extra_keys=_ADAMW_BC_KEYS)
+def _adamw_bc(cfg, lr, *, wd_mask, sparse_filter):
+  ex = dict(cfg.extra)
+  ratio = ex.pop("sparse_lr_ratio", 1.0)
+  sparse_lr = None
+  if sparse_filter is not None and ratio != 1.0:
+    sparse_lr = make_schedule(cfg.schedule, cfg.learning_rate * ratio)
+  return adam_bc.adamw_bc(lr, **cfg.betas(), weight_decay=cfg.weight_decay, mask=wd_mask,
+                          sparse_filter=sparse_filter, sparse_learning_rate=sparse_lr, **ex)
+
+
+def _sophia_factory(alias):
+  def factory(cfg, lr, *, wd_mask, sparse_filter):
+    del sparse_filter
+    return alias(lr, **cfg.betas(), weight_decay=cfg.weight_decay, mask=wd_mask, **cfg.extra)
+  return factory
+
+
+_SOPHIA_KEYS = _kwargs_of(sophia_lib.scale_by_sophia)
+register_optimizer("sophia", _sophia_factory(sophia_lib.sophia), extra_keys=_SOPHIA_KEYS)
+register_optimizer("sophia_bc", _sophia_factory(sophia_lib.sophia_bc), extra_keys=_SOPHIA_KEYS)
+
+
+def _shampoo_factory(alias):
+  def factory(cfg, lr, *, wd_mask, sparse_filter):
+    ex = dict(cfg.extra)
     if sparse_filter is not None:
-      kw["exclude"] = sparse_filter
-    inner = shampoo.shampoo(lr, b1, b2, eps, wd, mask=wd_mask, **kw)
-    return _chain(clip, inner), spec
-
-  # muon: optax.contrib's Newton-Schulz orthogonalised momentum for matrices, Adam otherwise.
-  return _chain(clip, _muon(lr, b1, eps, wd, wd_mask, sparse_filter, **ex)), CollectorSpec("all")
+      ex.setdefault("exclude", sparse_filter)
+    return alias(lr, **cfg.betas(), weight_decay=cfg.weight_decay, mask=wd_mask, **ex)
+  return factory
 
 
-def _muon(lr, beta, eps, wd, wd_mask, sparse_filter, *, ns_steps, nesterov, adam_b1, adam_b2,
-          adam_lr_ratio, consistent_rms) -> optax.GradientTransformation:
-  """optax.contrib.muon's parts with decoupled weight decay under ``wd_mask`` for all tensors.
+_SHAMPOO_KEYS = _kwargs_of(shampoo_lib.scale_by_shampoo, "exclude")
+register_optimizer("shampoo", _shampoo_factory(shampoo_lib.shampoo), extra_keys=_SHAMPOO_KEYS)
+register_optimizer("shampoo_bc", _shampoo_factory(shampoo_lib.shampoo_bc),
+                   extra_keys=_SHAMPOO_KEYS)
 
-  Matrices (rank >= 2; leading axes of rank >= 3 tensors are stacked layers, and a rank-2
-  tensor whose first dim is such a stack size is a stack of vectors) take Muon, except
-  ``sparse_filter`` tensors (embeddings), which take Adam with lr * ``adam_lr_ratio``.
+
+@register_optimizer("muon", extra_keys=("ns_steps", "nesterov", "adam_b1", "adam_b2",
+                                        "adam_lr_ratio", "consistent_rms"))
+def _muon_factory(cfg, lr, *, wd_mask, sparse_filter):
+  b = {"b1": 0.95, "eps": 1e-8, **cfg.betas()}
+  return muon(lr, b["b1"], b["eps"], cfg.weight_decay, wd_mask, sparse_filter, **cfg.extra)
+
+
+def _scale_by_shape(consistent_rms: Optional[float]) -> optax.GradientTransformation:
+  """optax.contrib.muon's shape scaling for matrices (last two dims fan_in, fan_out):
+  sqrt(max(1, fan_out / fan_in)), or consistent_rms sqrt(max(fan_in, fan_out))."""
+  def scale(u):
+    if isinstance(u, optax.MaskedNode):
+      return u
+    fan_in, fan_out = u.shape[-2], u.shape[-1]
+    if consistent_rms is None:
+      return jnp.sqrt(jnp.maximum(1.0, fan_out / fan_in)) * u
+    return (jnp.sqrt(max(fan_in, fan_out)) * consistent_rms) * u
+
+  return optax.stateless(lambda u, p: jax.tree.map(
+      scale, u, is_leaf=lambda x: isinstance(x, optax.MaskedNode)))
+
+
+def muon(lr, beta=0.95, eps=1e-8, weight_decay=0.1, wd_mask=None, sparse_filter=None, *,
+         ns_steps=5, nesterov=True, adam_b1=0.9, adam_b2=0.95, adam_lr_ratio=1.0,
+         consistent_rms=None) -> optax.GradientTransformation:
+  """Muon for matrices, Adam for the rest, with decoupled weight decay under ``wd_mask`` on
+  both and one learning-rate schedule:
+
+      matrices: optax.contrib.scale_by_muon (Newton-Schulz orthogonalized momentum), times
+                optax.contrib.muon's shape factor
+      others:   optax.scale_by_adam(adam_b1, adam_b2, eps) times ``adam_lr_ratio``
+      then:     add_decayed_weights(weight_decay, wd_mask), scale_by_learning_rate(lr)
+
+  Matrices are rank >= 2 tensors (leading axes of rank >= 3 tensors are stacked layers; a
+  rank-2 tensor whose first dim is such a stack size is a stack of vectors), except
+  ``sparse_filter`` tensors (embeddings), which take Adam. With ``weight_decay=0`` and
+  ``adam_lr_ratio=1`` this is ``optax.contrib.muon`` step for step.
   """
   from optax.contrib import MuonDimensionNumbers, scale_by_muon
-  from optax.contrib._muon import scale_by_shape
 
   def labels(params):
     leaves, td = jax.tree.flatten(params)
@@ -244,41 +279,11 @@ def _muon(lr, beta, eps, wd, wd_mask, sparse_filter, *, ns_steps, nesterov, adam
             reduction_axis=x.ndim - 2, output_axis=x.ndim - 1),
         masked, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
 
-  muon = optax.chain(
-      scale_by_muon(ns_steps=ns_steps, beta=beta, eps=eps, nesterov=nesterov,
-                    weight_dimension_numbers=dims),
-      scale_by_shape(weight_dimension_numbers=dims, consistent_rms=consistent_rms))
+  branch = optax.chain(scale_by_muon(ns_steps=ns_steps, beta=beta, eps=eps, nesterov=nesterov,
+                                     weight_dimension_numbers=dims),
+                       _scale_by_shape(consistent_rms))
   adam = optax.chain(optax.scale_by_adam(adam_b1, adam_b2, eps, nesterov=nesterov),
                      optax.scale(adam_lr_ratio))
-  return optax.chain(optax.partition({"muon": muon, "adam": adam}, labels),
-                     optax.add_decayed_weights(wd, wd_mask),
+  return optax.chain(optax.partition({"muon": branch, "adam": adam}, labels),
+                     optax.add_decayed_weights(weight_decay, wd_mask),
                      optax.scale_by_learning_rate(lr))
-
-
-def collect_step(loss_fn, params: PyTree, microbatches: PyTree, spec: CollectorSpec, *,
-                 opt_state: PyTree = None, key: Optional[jax.Array] = None,
-                 logits_fn=None, b_microbatches: PyTree = None) -> BCStats:
-  """The statistics for one step of the optimizer that ``spec`` came from.
-
-  Dispatches on ``spec.estimator``: None -> ``collect``; ``"gnb"``/``"hutchinson"`` ->
-  ``sophia.sophia_collect``; ``"shampoo"`` -> ``shampoo.shampoo_collect``. Call inside the
-  jitted train step; see docs/optim_sophia_shampoo.md for the whole sequence.
-
-  Args:
-    loss_fn: ``(params, mb) -> (loss, aux)``.
-    params, microbatches: as for ``collect``.
-    spec: from ``build``.
-    opt_state: the optimizer state before this step (Sophia/Shampoo read their step count,
-      curvature/factor EMAs from it; LOO reads Adam's moments).
-    key: PRNG key for the step (Sophia's label sampling or Rademacher vectors).
-    logits_fn: ``(params, mb) -> (logits [..., V], mask [...])`` for the GNB estimator.
-    b_microbatches: group B for ``rolling_b`` layouts.
-  """
-  if spec.estimator in ("gnb", "hutchinson"):
-    return sophia.sophia_collect(loss_fn, params, microbatches, spec, opt_state=opt_state,
-                                 key=key, logits_fn=logits_fn, b_microbatches=b_microbatches)
-  if spec.estimator == "shampoo":
-    return shampoo.shampoo_collect(loss_fn, params, microbatches, spec, opt_state=opt_state,
-                                   b_microbatches=b_microbatches)
-  return collect(loss_fn, params, microbatches, spec, b_microbatches=b_microbatches,
-                 opt_state=opt_state)

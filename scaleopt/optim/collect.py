@@ -1,28 +1,42 @@
-"""Per-microbatch statistics for bias-corrected preconditioning.
+"""Per-microbatch statistics for bias-corrected preconditioning, derived from the optimizer state.
 
 Optax transforms see one gradient pytree, but every bias correction of Nayak et al.
 (arXiv 2605.20756) needs more: the mean gradient of one group of microbatches (the
 numerator), a preconditioner statistic from another, independent group, and the spread of
-per-microbatch quantities (for the delta-method correction of the inverse). This module
+per-microbatch quantities (for the delta-method correction of the inverse). ``collect``
 computes all of it inside a jitted step with ``lax.scan`` over the microbatches, in float32,
-with memory that does not depend on the number of microbatches m: the scan carries running
-sums and Welford accumulators, never m gradient copies.
+with memory that does not depend on the number of microbatches m.
 
-For a per-microbatch quantity x_j, j = 1..m, Welford's algorithm keeps (mean, M2) with
+One source of truth. A bias-corrected transform writes what it needs into its own state: a
+``CollectorSpec`` (static, hashable, in the state's tree structure) and the numeric
+hyperparameters the collector uses (``hp``, scalar arrays). ``collect(loss_fn, params,
+microbatches, opt_state)`` walks the state tree (through ``chain``, ``partition``,
+``multi_transform``, ``inject_hyperparams``, ``MultiSteps``), finds every registered BC state
+and merges their specs; under ``inject_hyperparams`` the live values of its ``hyperparams``
+override ``hp``. A user never passes ``b2``, ``mode``, ``k`` or ``damping`` twice.
+
+Welford's algorithm (written once here, used by every optimizer) keeps (n, mean, M2):
 
     delta = x_j - mean_{j-1};  mean_j = mean_{j-1} + delta / j;  M2_j = M2_{j-1} + delta (x_j - mean_j)
 
-and the variance of the group mean is Var(x_bar) = M2 / (m (m - 1)).
+and the variance of the group mean is Var(x_bar) = M2 / (m (m - 1)) (unbiased).
 
 Layouts (who is numerator, who is preconditioner):
 
-* ``all``: one group of all m microbatches (std and inv-only modes); ``a`` and ``b`` are the same.
-* ``ab``: first half A (numerator), second half B (preconditioner).
-* ``rolling_b``: A = ``microbatches``, B = ``b_microbatches`` passed by the caller (the data
-  pipeline gives step t's B as step t+1's A).
-* ``symmetric``: halves A and B, both with full statistics (two-fold symmetrized cross-fit).
-* ``loo``: leave-one-out; pass 1 computes g_full, pass 2 recomputes every g_r and feeds
-  ``fold_fn(g_r, g_full)``; the scan averages its first output and Welfords its second.
+* ``all``: one group of all m microbatches; ``a`` and ``b`` are the same.
+* ``ab``: the step's 2m microbatches in halves, A (numerator) and B (preconditioner).
+* ``rolling_b``: A = ``microbatches``, B = ``b_microbatches`` (step t+1's A); the step's own
+  data is A, so ``full``, ``loss`` and the clip norm come from A alone.
+* ``symmetric``: the step's m microbatches in halves A and B, both with full statistics (same
+  examples and compute as std).
+* ``loo``: leave-one-out; pass 1 computes g_full, pass 2 recomputes every g_r and feeds the
+  BC states' fold functions; the scan averages their terms and Welfords their denominators.
+
+Clipping (``clip_by_global_norm`` of this module): one factor c = min(1, max_norm / ||g_full||)
+from the full-batch gradient norm, applied to every statistic (means by c, squares and
+variances of gradients by c^2, variances of squares by c^4, LOO folds on c g_r), so the
+preconditioned update is the one of the clipped gradient stream, as ``optax`` composes clip
+and Adam. ``numerator_only=True`` reproduces the reference code (only the numerator scaled).
 """
 
 from __future__ import annotations
@@ -32,15 +46,18 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], tuple[jax.Array, PyTree]]
 GradFn = Callable[[PyTree, PyTree], tuple[jax.Array, PyTree, PyTree]]
 
 LAYOUTS = ("all", "ab", "rolling_b", "symmetric", "loo")
-VAR_OF = (None, "grad", "sq")
-ESTIMATORS = (None, "gnb", "hutchinson", "shampoo")
+VAR_OF = (None, "grad", "sq", "post_ema")
+CLIPS = ("none", "consistent", "numerator")
 
+
+# ----------------------------------------------------------------------------- statistics
 
 class GroupStats(NamedTuple):
   """Statistics of one group of m microbatches, all float32.
@@ -49,43 +66,38 @@ class GroupStats(NamedTuple):
     mean: mean gradient g_bar = (1/m) sum_j g_j.
     sq: mean of per-microbatch squares (1/m) sum_j g_j * g_j (None when not collected).
     var: variance of the group mean of the tracked quantity x_j, M2 / (m (m - 1)):
-      x_j = g_j for ``var_of="grad"``, x_j = g_j * g_j for ``var_of="sq"``, or
-      ``var_fn(g_j)``. None when not collected; zeros when m < 2.
-    count: m, the number of microbatches in the group (a scalar array).
+      x_j = g_j (``var_of="grad"``), g_j * g_j (``"sq"``) or the reference post-EMA
+      denominator p_j (``"post_ema"``). None when not collected.
+    count: m, the number of microbatches in the group (a Python int).
   """
   mean: PyTree
   sq: Optional[PyTree]
   var: Optional[PyTree]
-  count: jax.Array
+  count: int
 
 
 class LOOStats(NamedTuple):
-  """Leave-one-out fold statistics.
-
-  Attributes:
-    mean: (1/m) sum_r fold_fn(g_r, g_full)[0].
-    var: sample variance over folds of fold_fn(g_r, g_full)[1], M2 / (m - 1) (the
-      reference code's estimator; see docs/optim.md for why it is not divided by m).
-  """
+  """Leave-one-out fold statistics: mean over folds of the fold terms, and the sample variance
+  over folds M2 / (m - 1) of the fold denominators (the reference code's estimator)."""
   mean: PyTree
   var: PyTree
 
 
 class BCStats(NamedTuple):
-  """What the collector returns and the bias-corrected transforms read (``bc_stats=``).
+  """What ``collect`` returns and the bias-corrected transforms read (``bc_stats=``).
 
   Attributes:
-    numerator: the gradient an Optax chain receives as ``updates``: group A's mean for the
+    numerator: the gradient the Optax chain receives as ``updates``: group A's mean for the
       A/B layouts, the full-batch mean otherwise.
-    full: mean gradient over every microbatch of the step (persistent moments, warm-up).
+    full: mean gradient over the step's own microbatches (every microbatch; A for rolling_b).
     a: numerator group (A); for layout ``all`` the single group.
     b: preconditioner group (B); for layout ``all`` the same object as ``a``.
     loo: leave-one-out fold statistics (layout ``loo`` only).
-    loss: mean loss over the step's microbatches (group A and B together).
-    aux: mean of the loss function's auxiliary outputs.
-    precond: statistics of an optimizer-specific estimator pass, filled by
-      ``sophia.sophia_collect`` (curvature) and ``shampoo.shampoo_collect`` (factor
-      statistics); None from ``collect``.
+    loss: mean loss over the step's own microbatches (as ``full``).
+    aux: mean of the loss function's auxiliary outputs (as ``loss``).
+    clip_factor: the clip factor c applied to the statistics (1.0 without clipping).
+    precond: optimizer-specific estimator output (Sophia's curvature, Shampoo's factor
+      statistics); None otherwise.
   """
   numerator: PyTree
   full: PyTree
@@ -94,63 +106,196 @@ class BCStats(NamedTuple):
   loo: Optional[LOOStats]
   loss: jax.Array
   aux: PyTree
-  precond: Any = None  # optimizer-specific estimator output (Sophia, Shampoo); None otherwise
+  clip_factor: jax.Array = 1.0
+  precond: Any = None
 
+
+class Welford(NamedTuple):
+  """Streaming mean and sum of squared deviations of a pytree quantity."""
+  n: jax.Array
+  mean: PyTree
+  m2: PyTree
+
+
+def welford_init(like: PyTree) -> Welford:
+  z = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), like)
+  return Welford(jnp.zeros((), jnp.float32), z, z)
+
+
+def welford_add(w: Welford, x: PyTree) -> Welford:
+  n = w.n + 1.0
+  delta = jax.tree.map(lambda xi, mu: xi - mu, x, w.mean)
+  mean = jax.tree.map(lambda mu, d: mu + d / n, w.mean, delta)
+  m2 = jax.tree.map(lambda s, d, xi, mu: s + d * (xi - mu), w.m2, delta, x, mean)
+  return Welford(n, mean, m2)
+
+
+def welford_var_of_mean(w: Welford, m: int) -> PyTree:
+  """Unbiased Var(x_bar) = M2 / (m (m - 1)); zeros for m < 2."""
+  den = 1.0 / (m * (m - 1)) if m > 1 else 0.0
+  return jax.tree.map(lambda s: jnp.maximum(s * den, 0.0), w.m2)
+
+
+# ----------------------------------------------------------------------------- spec + registry
 
 @dataclasses.dataclass(frozen=True)
 class CollectorSpec:
-  """Which statistics an optimizer needs; ``build`` returns one next to its transform.
+  """Which statistics a chain needs (hashable; derived from the optimizer state).
 
   Attributes:
-    layout: one of LAYOUTS.
-    var_of: which per-microbatch quantity gets a Welford variance: None (no variance),
-      ``"grad"`` (g_j) or ``"sq"`` (g_j * g_j).
+    layout: one of LAYOUTS, or None for "no preference" (std transforms).
+    var_of: per-microbatch quantity whose Welford variance is collected (``VAR_OF``).
     need_sq: also return the mean of per-microbatch squares.
-    fold_fn_factory: for ``loo``: ``opt_state -> fold_fn(g_r, g_full, m)``.
-    estimator: extra pass the optimizer needs: None, ``"gnb"`` / ``"hutchinson"`` (Sophia's
-      curvature, ``sophia.sophia_collect``) or ``"shampoo"`` (factor statistics,
-      ``shampoo.shampoo_collect``); ``build.collect_step`` dispatches on it.
-    refresh_every: the estimator pass runs on steps with count % refresh_every == 0 (under
-      ``lax.cond``); other steps only need group A (and, for ``ab``, use both halves).
-    needs_logits: the estimator needs ``logits_fn`` (GNB).
-    needs_key: the estimator needs a PRNG key per step.
-    estimator_options: static settings of the estimator pass, a tuple of (name, value) pairs.
+    estimator: name of a registered estimator pass (``"gnb"``, ``"hutchinson"``,
+      ``"shampoo"``) that replaces the plain collector; None otherwise.
+    refresh_every: the estimator runs on steps with count % refresh_every == 0.
+    needs_logits, needs_key: the estimator needs ``logits_fn`` / a PRNG key.
+    estimator_options: static settings of the estimator, a tuple of (name, value) pairs.
+    clip: ``"none"``, ``"consistent"`` or ``"numerator"`` (see the module docstring).
+    stateful: the statistics read the optimizer state (LOO folds, post-EMA denominators).
   """
-  layout: str = "all"
+  layout: Optional[str] = "all"
   var_of: Optional[str] = None
   need_sq: bool = False
-  fold_fn_factory: Optional[Callable[[PyTree], Callable]] = None
   estimator: Optional[str] = None
   refresh_every: int = 1
   needs_logits: bool = False
   needs_key: bool = False
   estimator_options: tuple = ()
+  clip: str = "none"
+  stateful: bool = False
 
   def __post_init__(self):
-    if self.layout not in LAYOUTS:
-      raise ValueError(f"CollectorSpec.layout={self.layout!r}; allowed: {LAYOUTS}")
-    if self.var_of not in VAR_OF:
-      raise ValueError(f"CollectorSpec.var_of={self.var_of!r}; allowed: {VAR_OF}")
-    if self.estimator not in ESTIMATORS:
-      raise ValueError(f"CollectorSpec.estimator={self.estimator!r}; allowed: {ESTIMATORS}")
-    if self.refresh_every < 1:
-      raise ValueError(f"CollectorSpec.refresh_every={self.refresh_every!r} must be >= 1")
-    if self.layout == "loo" and self.fold_fn_factory is None:
-      raise ValueError("CollectorSpec(layout='loo') needs fold_fn_factory")
+    for name, allowed in (("layout", LAYOUTS + (None,)), ("var_of", VAR_OF), ("clip", CLIPS)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"CollectorSpec.{name}={getattr(self, name)!r}; allowed: {allowed}")
+    if not isinstance(self.refresh_every, int) or self.refresh_every < 1:
+      raise ValueError(f"CollectorSpec.refresh_every={self.refresh_every!r} must be an int >= 1")
 
   @property
   def num_groups(self) -> int:
-    """Microbatch groups per step the data pipeline must deliver (rolling-B counts one)."""
-    return 2 if self.layout in ("ab", "symmetric") else 1
+    """Microbatch groups per step the data pipeline delivers (``ab`` only draws two)."""
+    return 2 if self.layout == "ab" else 1
+
+  @property
+  def passes_per_step(self) -> float:
+    """Forward+backward sweeps per step over the step's own examples (estimator passes of
+    non-rolling layouts are not counted)."""
+    if self.layout == "loo":
+      return 2.0
+    if self.layout == "rolling_b":
+      return 1.0 + (1.0 / self.refresh_every if self.estimator else 1.0)
+    return 1.0
 
 
-def _f32(tree: PyTree) -> PyTree:
-  return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+@jax.tree_util.register_pytree_node_class
+class Static:
+  """A leafless pytree node carrying a hashable value in the tree structure (so it survives
+  ``jit``, ``eval_shape``, ``MultiSteps``' tree maps and checkpoints without being an array)."""
+
+  def __init__(self, value):
+    self.value = value
+
+  def tree_flatten(self):
+    return (), self.value
+
+  @classmethod
+  def tree_unflatten(cls, value, _):
+    return cls(value)
+
+  def __eq__(self, other):
+    return isinstance(other, Static) and other.value == self.value
+
+  def __hash__(self):
+    return hash(self.value)
+
+  def __repr__(self):
+    return f"Static({self.value!r})"
 
 
-def _zeros_f32(tree: PyTree) -> PyTree:
-  return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
+class StateHooks(NamedTuple):
+  """Per-state-type functions the collector calls (None: not supported by that state).
 
+  fold_fn(state, hp) -> fn(g_r, g_full, m) -> (terms, d): LOO fold terms.
+  var_fn(state, hp) -> fn(g_j) -> x_j: per-microbatch quantity for ``var_of="post_ema"``.
+  """
+  fold_fn: Optional[Callable] = None
+  var_fn: Optional[Callable] = None
+
+
+_STATE_HOOKS: dict[type, StateHooks] = {}
+_ESTIMATORS: dict[str, Callable] = {}
+
+
+def register_bc_state(state_type: type, hooks: StateHooks = StateHooks()) -> None:
+  """Registers a state type whose ``spec`` (``Static(CollectorSpec)``) and ``hp`` (dict of
+  scalar arrays) fields tell ``collect`` what to compute."""
+  _STATE_HOOKS[state_type] = hooks
+
+
+def register_estimator(name: str, fn: Callable) -> None:
+  """Registers an estimator pass ``fn(loss_fn, params, microbatches, spec, found, *, key,
+  logits_fn, b_microbatches) -> BCStats`` used when a spec names ``estimator=name``."""
+  _ESTIMATORS[name] = fn
+
+
+class Found(NamedTuple):
+  """A BC state found in an optimizer state, its live hyperparameters and context."""
+  state: Any
+  hp: dict
+  under_multisteps: bool
+
+
+def find_bc_states(opt_state: PyTree) -> list[Found]:
+  """Every registered BC state inside ``opt_state``, in tree order."""
+  out: list[Found] = []
+  inject = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+  stop = inject + (optax.MultiStepsState,) + tuple(_STATE_HOOKS)
+
+  def walk(tree, over, multi):
+    for node in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, stop)):
+      if isinstance(node, inject):
+        walk(node.inner_state, {**over, **node.hyperparams}, multi)
+      elif isinstance(node, optax.MultiStepsState):
+        walk(node.inner_opt_state, over, True)
+      elif type(node) in _STATE_HOOKS:
+        hp = {k: over.get(k, v) for k, v in node.hp.items()}
+        out.append(Found(node, hp, multi))
+
+  walk(opt_state, {}, False)
+  return out
+
+
+def _merge(found: list[Found]) -> CollectorSpec:
+  specs = [f.state.spec.value for f in found]
+  pick = lambda name, skip: {getattr(s, name) for s in specs} - {skip}
+  for name, skip in (("layout", None), ("var_of", None), ("estimator", None), ("clip", "none")):
+    vals = pick(name, skip)
+    if len(vals) > 1:
+      raise ValueError(f"the optimizer chain holds bias-corrected transforms that need different "
+                       f"{name}s {sorted(map(str, vals))}; one collector serves one {name}")
+  est = [s for s in specs if s.estimator]
+  if len({(s.refresh_every, s.estimator_options) for s in est}) > 1:
+    raise ValueError("the chain holds two estimator transforms with different settings")
+  one = lambda name, skip, default: next(iter(pick(name, skip)), default)
+  base = est[0] if est else CollectorSpec()
+  layout = one("layout", None, "all")
+  return dataclasses.replace(base, layout=layout, var_of=one("var_of", None, None),
+                             need_sq=any(s.need_sq for s in specs),
+                             clip=one("clip", "none", "none"),
+                             stateful=any(s.stateful for s in specs))
+
+
+def collector_spec(tx_or_state, params: PyTree = None) -> CollectorSpec:
+  """The merged ``CollectorSpec`` of an optimizer: pass its state, or the transform (then its
+  state is traced abstractly from ``params``; an empty tree when None)."""
+  state = tx_or_state
+  if isinstance(tx_or_state, optax.GradientTransformation):
+    state = jax.eval_shape(tx_or_state.init, {} if params is None else params)
+  return _merge(find_bc_states(state))
+
+
+# ----------------------------------------------------------------------------- scans
 
 def value_and_grad_fn(loss_fn: LossFn) -> GradFn:
   """(params, mb) -> (loss, aux, grads) for ``loss_fn(params, mb) -> (loss, aux)``."""
@@ -163,212 +308,282 @@ def value_and_grad_fn(loss_fn: LossFn) -> GradFn:
   return fn
 
 
-def _num_microbatches(microbatches: PyTree) -> int:
+def num_microbatches(microbatches: PyTree) -> int:
   leaves = jax.tree.leaves(microbatches)
   if not leaves:
     raise ValueError("microbatches is an empty pytree")
   m = leaves[0].shape[0]
-  for x in leaves:
-    if x.shape[0] != m:
-      raise ValueError("every microbatch leaf needs the same leading axis (the microbatch "
-                       f"count); got {[l.shape for l in leaves]}")
+  if any(x.shape[0] != m for x in leaves):
+    raise ValueError("every microbatch leaf needs the same leading axis (the microbatch "
+                     f"count); got {[x.shape for x in leaves]}")
   return m
 
 
-def _slice(tree: PyTree, start: int, stop: int) -> PyTree:
-  return jax.tree.map(lambda x: x[start:stop], tree)
+def halves(microbatches: PyTree, what: str) -> tuple[PyTree, PyTree]:
+  m = num_microbatches(microbatches)
+  if m % 2:
+    raise ValueError(f"{what} splits the microbatches in halves; m={m} is odd")
+  return (jax.tree.map(lambda x: x[:m // 2], microbatches),
+          jax.tree.map(lambda x: x[m // 2:], microbatches))
 
 
-def _abstract_grads(grad_fn: GradFn, params: PyTree, mbs: PyTree):
+def _f32(tree: PyTree) -> PyTree:
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+
+
+def _zeros_like_out(fn: Callable, *args) -> PyTree:
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), jax.eval_shape(fn, *args))
+
+
+def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional[str] = None,
+               x_fn: Optional[Callable] = None, need_sq: bool = False):
+  """One scan over a group: (GroupStats, mean loss, mean aux), float32.
+
+  ``x_fn(g_j)`` gives the per-microbatch quantity whose variance ``var_of`` asks for.
+  """
+  m = num_microbatches(mbs)
   mb0 = jax.tree.map(lambda x: x[0], mbs)
-  return jax.eval_shape(grad_fn, params, mb0)
-
-
-def _group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional[str],
-           var_fn: Optional[Callable], need_sq: bool) -> tuple[GroupStats, jax.Array, PyTree]:
-  """One scan over a group: returns (GroupStats, mean loss, mean aux)."""
-  m = _num_microbatches(mbs)
-  loss_s, aux_s, g_s = _abstract_grads(grad_fn, params, mbs)
-  zeros_g = _zeros_f32(g_s)
-  if var_fn is not None:
-    x_s = jax.eval_shape(var_fn, g_s)
-    zeros_x = _zeros_f32(x_s)
-  elif var_of == "sq":
-    zeros_x = zeros_g
-  else:
-    zeros_x = None
-  track_sq = need_sq and var_of != "grad" and var_of != "sq"
-  carry0 = dict(
-      n=jnp.zeros((), jnp.float32),
-      g=zeros_g,                            # Welford mean of g (var_of="grad") or running sum
-      m2g=zeros_g if var_of == "grad" else None,
-      x=zeros_x,                            # Welford mean of x_j
-      m2x=zeros_x,
-      sq=zeros_g if track_sq else None,     # running sum of g_j^2
-      loss=jnp.zeros((), jnp.float32),
-      aux=_zeros_f32(aux_s),
-  )
-
-  def welford(mean, m2, x, n):
-    def one(mu, s, xi):
-      delta = xi - mu
-      mu = mu + delta / n
-      return mu, s + delta * (xi - mu)
-    pairs = jax.tree.map(one, mean, m2, x)
-    is_pair = lambda t: isinstance(t, tuple)
-    return (jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
-            jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair))
+  loss_s, aux_s, g_s = _zeros_like_out(grad_fn, params, mb0)
+  if var_of == "sq":
+    x_fn = lambda g: jax.tree.map(lambda t: t * t, g)
+  elif var_of == "grad":
+    x_fn = lambda g: g
+  carry0 = dict(g=g_s, sq=g_s if need_sq else None, loss=loss_s, aux=aux_s,
+                w=welford_init(jax.eval_shape(x_fn, g_s)) if var_of else None)
 
   def body(c, mb):
     loss, aux, g = grad_fn(params, mb)
     g = _f32(g)
-    n = c["n"] + 1.0
-    c = dict(c, n=n, loss=c["loss"] + loss.astype(jnp.float32),
-             aux=jax.tree.map(lambda s, a: s + a.astype(jnp.float32), c["aux"], aux))
-    if var_of == "grad":
-      c["g"], c["m2g"] = welford(c["g"], c["m2g"], g, n)
-    else:
-      c["g"] = jax.tree.map(jnp.add, c["g"], g)
-    if var_fn is not None or var_of == "sq":
-      x = _f32(var_fn(g)) if var_fn is not None else jax.tree.map(lambda t: t * t, g)
-      c["x"], c["m2x"] = welford(c["x"], c["m2x"], x, n)
-    if track_sq:
+    c = dict(c, g=jax.tree.map(jnp.add, c["g"], g), loss=c["loss"] + loss,
+             aux=jax.tree.map(jnp.add, c["aux"], _f32(aux)))
+    if need_sq:
       c["sq"] = jax.tree.map(lambda s, t: s + t * t, c["sq"], g)
+    if var_of:
+      c["w"] = welford_add(c["w"], x_fn(g))
     return c, None
 
   c, _ = jax.lax.scan(body, carry0, mbs)
-  inv_m = 1.0 / m
-  var_den = 1.0 / (m * (m - 1)) if m > 1 else 0.0
-  if var_of == "grad":
-    mean = c["g"]
-    var = jax.tree.map(lambda s: jnp.maximum(s * var_den, 0.0), c["m2g"]) if var_fn is None else None
-    sq = (jax.tree.map(lambda s, mu: s * inv_m + mu * mu, c["m2g"], mean) if need_sq else None)
-  else:
-    mean = jax.tree.map(lambda s: s * inv_m, c["g"])
-    var = None
-    sq = jax.tree.map(lambda s: s * inv_m, c["sq"]) if track_sq else None
-  if var_fn is not None or var_of == "sq":
-    var = jax.tree.map(lambda s: jnp.maximum(s * var_den, 0.0), c["m2x"])
-    if var_of == "sq" and var_fn is None:
-      sq = c["x"]
-  stats = GroupStats(mean=mean, sq=sq, var=var, count=jnp.asarray(m, jnp.int32))
-  return stats, c["loss"] * inv_m, jax.tree.map(lambda s: s * inv_m, c["aux"])
+  mean = lambda t: jax.tree.map(lambda s: s / m, t)
+  var = welford_var_of_mean(c["w"], m) if var_of else None
+  stats = GroupStats(mean=mean(c["g"]), sq=mean(c["sq"]) if need_sq else None, var=var, count=m)
+  return stats, c["loss"] / m, mean(c["aux"])
 
 
-def _loo(grad_fn: GradFn, params: PyTree, mbs: PyTree, fold_fn: Callable):
-  """Two passes: g_full, then per fold r: fold_fn(g_r, g_full, m) -> (terms, d)."""
-  m = _num_microbatches(mbs)
+def clip_factor(g: PyTree, max_norm) -> jax.Array:
+  """min(1, max_norm / ||g||), as ``optax.clip_by_global_norm``."""
+  norm = optax.tree.norm(g)
+  return jnp.where(norm < max_norm, 1.0, max_norm / jnp.maximum(norm, 1e-30))
+
+
+def scale_group(s: Optional[GroupStats], c, var_of: Optional[str]) -> Optional[GroupStats]:
+  """The statistics of the gradients c g_j: mean c, squares c^2, Var c^2 (grad) or c^4 (sq)."""
+  if s is None:
+    return None
+  sc = lambda t, k: None if t is None else jax.tree.map(lambda x: x * k, t)
+  kv = {"grad": c * c, "sq": c ** 4}.get(var_of, 1.0)
+  return GroupStats(sc(s.mean, c), sc(s.sq, c * c), sc(s.var, kv), s.count)
+
+
+def _clip_of(found: list[Found], spec: CollectorSpec):
+  if spec.clip != "consistent":
+    return None
+  return next(f.hp["max_norm"] for f in found if "max_norm" in f.hp)
+
+
+def _loo(grad_fn, params, mbs, found, max_norm) -> BCStats:
+  """Two passes: g_full, then per fold r the BC states' fold terms on c g_r (c: clip)."""
+  m = num_microbatches(mbs)
   if m < 2:
     raise ValueError(f"leave-one-out needs at least 2 microbatches, got m={m}")
-  full, loss, aux = _group(grad_fn, params, mbs, var_of=None, var_fn=None, need_sq=False)
-  g_full = full.mean
-  _, _, g_s = _abstract_grads(grad_fn, params, mbs)
-  terms_s, d_s = jax.eval_shape(lambda g: fold_fn(g, g, m), g_s)
-  carry0 = dict(n=jnp.zeros((), jnp.float32), t=_zeros_f32(terms_s), d=_zeros_f32(d_s),
-                m2=_zeros_f32(d_s))
+  full, loss, aux = scan_group(grad_fn, params, mbs)
+  c = clip_factor(full.mean, max_norm) if max_norm is not None else jnp.float32(1.0)
+  g_full = jax.tree.map(lambda x: c * x, full.mean)
+  folds = [_STATE_HOOKS[type(f.state)].fold_fn(f.state, f.hp) for f in found
+           if f.state.spec.value.layout == "loo"]
 
-  def body(c, mb):
-    _, _, g = grad_fn(params, mb)
-    terms, d = fold_fn(_f32(g), g_full, m)
-    n = c["n"] + 1.0
-    t = jax.tree.map(lambda s, x: s + x, c["t"], terms)
-    def one(mu, s, x):
-      delta = x - mu
-      mu = mu + delta / n
-      return mu, s + delta * (x - mu)
-    pairs = jax.tree.map(one, c["d"], c["m2"], d)
-    is_pair = lambda p: isinstance(p, tuple)
-    return dict(n=n, t=t, d=jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
-                m2=jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)), None
+  def fold(g_r):
+    outs = [fn(g_r, g_full, m) for fn in folds]
+    return jax.tree.map(lambda *xs: sum(xs), *outs)
 
-  c, _ = jax.lax.scan(body, carry0, mbs)
-  loo = LOOStats(mean=jax.tree.map(lambda s: s / m, c["t"]),
-                 var=jax.tree.map(lambda s: jnp.maximum(s / (m - 1), 0.0), c["m2"]))
-  return BCStats(numerator=g_full, full=g_full, a=None, b=None, loo=loo, loss=loss, aux=aux)
+  _, _, g_s = _zeros_like_out(grad_fn, params, jax.tree.map(lambda x: x[0], mbs))
+  terms0, d0 = _zeros_like_out(fold, g_s)
+
+  def body(carry, mb):
+    t, w = carry
+    terms, d = fold(jax.tree.map(lambda x: c * x, _f32(grad_fn(params, mb)[2])))
+    return (jax.tree.map(jnp.add, t, terms), welford_add(w, d)), None
+
+  (t, w), _ = jax.lax.scan(body, (terms0, welford_init(d0)), mbs)
+  loo = LOOStats(mean=jax.tree.map(lambda s: s / m, t),
+                 var=jax.tree.map(lambda s: jnp.maximum(s / (m - 1), 0.0), w.m2))
+  return BCStats(g_full, g_full, None, None, loo, loss, aux, c)
 
 
-def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree,
-            spec: CollectorSpec = CollectorSpec(), *, b_microbatches: PyTree = None,
-            opt_state: PyTree = None, b_grad_fn: Optional[GradFn] = None,
-            var_fn: Optional[Callable] = None) -> BCStats:
-  """Scans ``loss_fn`` over microbatches and returns what the transforms need.
+def _x_fn(found: list[Found], spec: CollectorSpec):
+  """Per-microbatch quantity for ``var_of="post_ema"``: the sum over BC states of their
+  post-EMA denominators (masked leaves of other states contribute zeros)."""
+  if spec.var_of != "post_ema":
+    return None
+  fns = [_STATE_HOOKS[type(f.state)].var_fn(f.state, f.hp) for f in found
+         if f.state.spec.value.var_of == "post_ema"]
+  return lambda g: jax.tree.map(lambda *xs: sum(xs), *[fn(g) for fn in fns])
+
+
+def _layout(grad_fn, params, mbs, spec, found, b_mbs, max_norm) -> BCStats:
+  lay = spec.layout
+  kw = dict(var_of=spec.var_of, x_fn=_x_fn(found, spec), need_sq=spec.need_sq)
+  if spec.var_of == "post_ema" and spec.clip == "consistent":
+    raise ValueError("the reference post-EMA variance reads per-microbatch denominators before "
+                     "the step's clip factor is known; use clip_by_global_norm(..., "
+                     "numerator_only=True) with it, as the reference code does")
+  if lay == "all":
+    s, loss, aux = scan_group(grad_fn, params, mbs, **kw)
+    c = clip_factor(s.mean, max_norm) if max_norm is not None else jnp.float32(1.0)
+    s = scale_group(s, c, spec.var_of)
+    return BCStats(s.mean, s.mean, s, s, None, loss, aux, c)
+  if lay == "rolling_b":
+    if b_mbs is None:
+      raise ValueError("layout 'rolling_b' needs b_microbatches (next step's group A)")
+    mbs_a, mbs_b = mbs, b_mbs
+  else:
+    mbs_a, mbs_b = halves(mbs, f"layout {lay!r}")
+  if spec.var_of and min(num_microbatches(mbs_a), num_microbatches(mbs_b)) < 2:
+    raise ValueError(f"a variance correction needs at least 2 microbatches per group; layout "
+                     f"{lay!r} got {num_microbatches(mbs_a)} and {num_microbatches(mbs_b)}")
+  a, loss_a, aux_a = scan_group(grad_fn, params, mbs_a, **(kw if lay == "symmetric" else {}))
+  b, loss_b, aux_b = scan_group(grad_fn, params, mbs_b, **kw)
+  if lay == "rolling_b":
+    full, loss, aux = a.mean, loss_a, aux_a
+  else:
+    wa = a.count / (a.count + b.count)
+    avg = lambda x, y: jax.tree.map(lambda p, q: wa * p + (1 - wa) * q, x, y)
+    full, loss, aux = avg(a.mean, b.mean), wa * loss_a + (1 - wa) * loss_b, avg(aux_a, aux_b)
+  c = clip_factor(full, max_norm) if max_norm is not None else jnp.float32(1.0)
+  a = scale_group(a, c, spec.var_of if lay == "symmetric" else None)
+  b = scale_group(b, c, spec.var_of)
+  full = jax.tree.map(lambda x: c * x, full)
+  numerator = full if lay == "symmetric" else a.mean
+  return BCStats(numerator, full, a, b, None, loss, aux, c)
+
+
+def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, opt_state: PyTree, *,
+            key: Optional[jax.Array] = None, logits_fn: Optional[Callable] = None,
+            b_microbatches: PyTree = None) -> BCStats:
+  """Scans ``loss_fn`` over microbatches and returns what the chain's transforms need.
 
   Args:
     loss_fn: ``loss_fn(params, microbatch) -> (loss, aux)``; differentiated w.r.t. params.
     params: the parameters, shared by every microbatch of the step.
     microbatches: a pytree whose leaves have a leading microbatch axis m.
-    spec: the layout and statistics to collect (``build`` returns one per optimizer).
-    b_microbatches: group B for ``rolling_b`` (step t+1's A).
-    opt_state: the optimizer state before this step; needed by ``loo`` fold functions.
-    b_grad_fn: gradient function for group B, ``(params, mb) -> (loss, aux, grads)``
-      (e.g. Sophia's sampled-label pass); defaults to the gradient of ``loss_fn``.
-    var_fn: optional per-microbatch quantity x_j = var_fn(g_j) whose Welford variance
-      replaces the one named by ``spec.var_of`` in the B statistics.
+    opt_state: the optimizer state before this step; what to collect is read from it.
+    key: PRNG key (Sophia's sampled labels or Rademacher vectors).
+    logits_fn: ``(params, mb) -> (logits, mask)`` for Sophia's GNB estimator.
+    b_microbatches: group B for ``rolling_b`` layouts (step t+1's group A).
 
   Returns:
-    BCStats, float32.
+    BCStats, float32. Call ``tx.update(stats.numerator, opt_state, params, bc_stats=stats)``.
   """
+  found = find_bc_states(opt_state)
+  spec = _merge(found)
+  needy = [f for f in found if f.under_multisteps and (
+      f.state.spec.value.layout not in (None, "all") or f.state.spec.value.var_of
+      or f.state.spec.value.estimator)]
+  if needy:
+    raise ValueError("optax.MultiSteps around a bias-corrected transform would update it with "
+                     "the k-step mean gradient and one mini-step's statistics; pass all k*m "
+                     "microbatches of the step to collect instead (they are accumulated there)")
+  max_norm = _clip_of(found, spec)
+  if spec.estimator is not None:
+    return _ESTIMATORS[spec.estimator](loss_fn, params, microbatches, spec, found, key=key,
+                                       logits_fn=logits_fn, b_microbatches=b_microbatches,
+                                       max_norm=max_norm)
   grad_fn = value_and_grad_fn(loss_fn)
-  gb = b_grad_fn or grad_fn
-  m = _num_microbatches(microbatches)
-  lay = spec.layout
-  kw = dict(var_of=spec.var_of, var_fn=var_fn, need_sq=spec.need_sq)
-  if spec.var_of is not None and lay in ("all", "ab", "symmetric"):
-    m_var = m if lay == "all" else m // 2
-    if m_var < 2:
-      raise ValueError(f"a variance correction needs at least 2 microbatches per group; layout "
-                       f"{lay!r} with m={m} microbatches gives {m_var}")
-  if lay == "loo":
-    return _loo(grad_fn, params, microbatches, spec.fold_fn_factory(opt_state))
-  if lay == "all":
-    s, loss, aux = _group(gb, params, microbatches, **kw)
-    return BCStats(numerator=s.mean, full=s.mean, a=s, b=s, loo=None, loss=loss, aux=aux)
-  if lay == "rolling_b":
-    if b_microbatches is None:
-      raise ValueError("layout 'rolling_b' needs b_microbatches (next step's group A)")
-    mbs_a, mbs_b = microbatches, b_microbatches
-    if spec.var_of is not None and _num_microbatches(mbs_b) < 2:
-      raise ValueError("a variance correction needs at least 2 microbatches in group B")
-  else:
-    if m % 2:
-      raise ValueError(f"layout {lay!r} splits the microbatches in halves; m={m} is odd")
-    mbs_a, mbs_b = _slice(microbatches, 0, m // 2), _slice(microbatches, m // 2, m)
-  a_kw = kw if lay == "symmetric" else dict(var_of=None, var_fn=None, need_sq=False)
-  a, loss_a, aux_a = _group(grad_fn, params, mbs_a, **a_kw)
-  b, loss_b, aux_b = _group(gb, params, mbs_b, **kw)
-  na, nb = a.count.astype(jnp.float32), b.count.astype(jnp.float32)
-  wa, wb = na / (na + nb), nb / (na + nb)
-  full = jax.tree.map(lambda x, y: wa * x + wb * y, a.mean, b.mean)
-  loss = wa * loss_a + wb * loss_b
-  aux = jax.tree.map(lambda x, y: wa * x + wb * y, aux_a, aux_b)
-  numerator = full if lay == "symmetric" else a.mean
-  return BCStats(numerator=numerator, full=full, a=a, b=b, loo=None, loss=loss, aux=aux)
+  if spec.layout == "loo":
+    return _loo(grad_fn, params, microbatches, found, max_norm)
+  return _layout(grad_fn, params, microbatches, spec, found, b_microbatches, max_norm)
 
 
-def refresh_groups(loss_fn: LossFn, params: PyTree, microbatches: PyTree, layout: str,
-                   refresh: jax.Array, b_microbatches: PyTree = None) -> tuple[BCStats, PyTree]:
-  """Numerator statistics and preconditioner group for optimizers with periodic refreshes.
+# ----------------------------------------------------------------------------- clipping
 
-  Sophia and Shampoo recompute their preconditioner every k steps from group B. ``ab``: on
-  refresh steps the numerator uses group A only (cross-fit), on the other steps all
-  microbatches (``lax.cond``, so nothing is wasted); ``rolling_b``: A is ``microbatches`` and
-  B is ``b_microbatches``; ``all``: both use every microbatch.
+class ClipState(NamedTuple):
+  """State of ``clip_by_global_norm``: the collector spec and the live ``max_norm``."""
+  spec: Static
+  hp: dict
+
+
+register_bc_state(ClipState)
+
+
+def clip_by_global_norm(max_norm: float, *, numerator_only: bool = False
+                        ) -> optax.GradientTransformationExtraArgs:
+  """Global-norm clipping that composes with bias-corrected transforms.
+
+  With ``bc_stats`` (from ``collect``) the collector has already scaled every statistic by
+  c = min(1, max_norm / ||g_full||) and this transform passes the updates through. Without
+  ``bc_stats`` it is ``optax.clip_by_global_norm``. ``numerator_only=True`` (the reference
+  code's behaviour) leaves the statistics alone and clips only the numerator by its own norm.
+  """
+  spec = CollectorSpec(layout=None, clip="numerator" if numerator_only else "consistent")
+
+  def init_fn(params):
+    del params
+    return ClipState(Static(spec), {"max_norm": jnp.asarray(max_norm, jnp.float32)})
+
+  def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
+    del params
+    if bc_stats is None or numerator_only:
+      updates, _ = optax.clip_by_global_norm(max_norm).update(updates, optax.EmptyState())
+    return updates, ClipState(state.spec, {"max_norm": jnp.asarray(max_norm, jnp.float32)})
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def align(tree: PyTree, like: PyTree) -> PyTree:
+  """``tree`` with MaskedNode wherever ``like`` (an updates tree under partition) has one."""
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  return jax.tree.map(lambda u, t: u if masked(u) else t, like, tree, is_leaf=masked)
+
+
+def refresh_groups(grad_fn: GradFn, params: PyTree, microbatches: PyTree, layout: str,
+                   refresh: jax.Array, b_microbatches: PyTree = None):
+  """Numerator group statistics and the preconditioner group for periodic refreshes.
+
+  ``ab``: on refresh steps the numerator uses group A only (cross-fit), on the other steps
+  all microbatches (``lax.cond``); ``rolling_b``: A is ``microbatches``, B
+  ``b_microbatches``; ``all``: both use every microbatch.
 
   Returns:
-    (numerator BCStats from a plain ``all`` collection, group-B microbatches).
+    ((mean gradient, loss, aux) of the numerator group, group-B microbatches).
   """
-  m = _num_microbatches(microbatches)
-  all_spec = CollectorSpec(layout="all")
+  def num_of(mbs):
+    s, loss, aux = scan_group(grad_fn, params, mbs)
+    return s.mean, loss, aux
+
   if layout == "ab":
-    if m % 2:
-      raise ValueError(f"layout 'ab' splits the microbatches in halves; m={m} is odd")
-    mbs_a, mbs_b = _slice(microbatches, 0, m // 2), _slice(microbatches, m // 2, m)
-    num = jax.lax.cond(refresh, lambda: collect(loss_fn, params, mbs_a, all_spec),
-                       lambda: collect(loss_fn, params, microbatches, all_spec))
+    mbs_a, mbs_b = halves(microbatches, "layout 'ab'")
+    num = jax.lax.cond(refresh, lambda: num_of(mbs_a), lambda: num_of(microbatches))
     return num, mbs_b
-  num = collect(loss_fn, params, microbatches, all_spec)
+  num = num_of(microbatches)
   if layout == "rolling_b":
     if b_microbatches is None:
       raise ValueError("layout 'rolling_b' needs b_microbatches (next step's group A)")
     return num, b_microbatches
   return num, microbatches
+
+
+# ----------------------------------------------------------------------------- state queries
+
+def skipped_tensors(opt_state: PyTree) -> jax.Array:
+  """Tensors whose non-finite update a BC transform zeroed in the update that produced
+  ``opt_state`` (summed over the BC states; 0 when none skips per tensor)."""
+  counts = [f.state.skipped for f in find_bc_states(opt_state) if hasattr(f.state, "skipped")]
+  return sum(counts, jnp.zeros((), jnp.int32))
+
+
+def schedule_count(opt_state: PyTree) -> Optional[jax.Array]:
+  """The step count of the first ``optax.scale_by_schedule`` (learning-rate schedule) state:
+  the step the schedule evaluates next (it does not advance on skipped steps). None if the
+  chain has no schedule state."""
+  is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_sched) if is_sched(x)]
+  return found[0].count if found else None

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from scaleopt import models
-from scaleopt.optim.build import OptimizerConfig, build, collect_step
+from scaleopt.optim.build import OptimizerConfig, build
 from scaleopt.optim.collect import CollectorSpec
 from scaleopt.optim.schedules import make_schedule
 
@@ -53,17 +53,9 @@ def sparse_filter(params: PyTree) -> PyTree:
 
 
 def passes_per_step(spec: CollectorSpec) -> float:
-  """Forward+backward sweeps per step over the step's distinct examples (for MFU).
-
-  LOO sweeps twice; rolling-B adds a sweep over group B, every step for the collector and on
-  refresh steps only (1 in ``refresh_every``) for Sophia/Shampoo estimator passes. Estimator
-  passes of other layouts are not counted (so MFU is a lower bound there).
-  """
-  if spec.layout == "loo":
-    return 2.0
-  if spec.layout == "rolling_b":
-    return 1.0 + (1.0 / spec.refresh_every if spec.estimator else 1.0)
-  return 1.0
+  """Forward+backward sweeps per step over the step's distinct examples (for MFU); see
+  ``CollectorSpec.passes_per_step``."""
+  return spec.passes_per_step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,11 +2,12 @@
 
 One train step, all inside ``jax.jit`` with the state donated:
 
-  microbatches [m, b, T+1] --lax.scan--> collector stats (or plain accumulation)
-    [+ Sophia's estimator pass, dispatched by ``collect_step`` on the optimizer's spec]
+  microbatches [m, b, T+1] --lax.scan--> ``scaleopt.optim.collect`` statistics (what to
+    collect, clipping included, is read from the optimizer state)
   -> tx.update(stats.numerator, opt_state, params, bc_stats=stats)   (clip -> opt -> wd -> lr)
-  -> apply unless the loss, gradient or update is non-finite (then params and optimizer state
-     stay as they were and the skip is counted)
+  -> apply unless the loss, gradient or update is non-finite or a transform zeroed a
+     non-finite tensor (then params and optimizer state stay as they were and the skip is
+     counted)
   -> metrics (device scalars; the loop fetches them every ``log_every`` steps).
 
 Parameters and optimizer state are float32; the model computes in ``model.dtype`` (bf16).
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaleopt.optim.build import collect_step
+from scaleopt import optim
 from scaleopt.train import bridge
 
 PyTree = Any
@@ -48,27 +49,35 @@ def _select(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:
   return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
+def _lr_step(state: TrainState) -> jax.Array:
+  """The step the optax schedule evaluates (its count does not advance on skipped steps)."""
+  count = optim.schedule_count(state.opt_state)
+  return state.step if count is None else count
+
+
 def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
                     schedule: Callable) -> Callable:
   """``step(state, batch) -> (state, metrics)``; batch = {"tokens"[, "b_tokens"]}."""
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng, key = jax.random.split(state.rng)
-    stats = collect_step(model.loss_fn, state.params, batch["tokens"], spec,
-                         opt_state=state.opt_state, key=key, logits_fn=model.logits_fn,
-                         b_microbatches=batch.get("b_tokens"))
+    del spec  # what to collect is read from the optimizer state
+    stats = optim.collect(model.loss_fn, state.params, batch["tokens"], state.opt_state,
+                          key=key, logits_fn=model.logits_fn,
+                          b_microbatches=batch.get("b_tokens"))
     updates, opt_state = tx.update(stats.numerator, state.opt_state, state.params,
                                    bc_stats=stats)
     params = optax.apply_updates(state.params, updates)
     g_norm = optax.global_norm(stats.full)
     u_norm = optax.global_norm(updates)
-    ok = jnp.isfinite(stats.loss) & jnp.isfinite(g_norm) & jnp.isfinite(u_norm)
+    ok = (jnp.isfinite(stats.loss) & jnp.isfinite(g_norm) & jnp.isfinite(u_norm)
+          & (optim.skipped_tensors(opt_state) == 0))
     bad = (~ok).astype(jnp.int32)
     new = TrainState(step=state.step + 1, params=_select(ok, params, state.params),
                      opt_state=_select(ok, opt_state, state.opt_state), rng=rng,
                      skipped=state.skipped + bad, consec=jnp.where(ok, 0, state.consec + 1))
     metrics = dict(loss=stats.loss, ce=stats.aux["ce"], grad_norm=g_norm, update_norm=u_norm,
-                   param_norm=optax.global_norm(new.params), lr=schedule(state.step),
+                   param_norm=optax.global_norm(new.params), lr=schedule(_lr_step(state)),
                    skipped=new.skipped, consec=new.consec)
     for k, v in stats.aux.items():
       if k != "ce":

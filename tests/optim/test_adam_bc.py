@@ -9,7 +9,8 @@ import optax
 import pytest
 
 import scaleopt.optim as so
-from scaleopt.optim.collect import BCStats, CollectorSpec, GroupStats
+from scaleopt.optim.adam_bc import var_sq_of_mean
+from scaleopt.optim.collect import BCStats, GroupStats
 
 # ---------------------------------------------------------------------------------------
 # std mode is optax.adamw
@@ -111,9 +112,13 @@ def test_errors():
   with pytest.raises(ValueError, match="needs bc_stats"):
     tx.update(p, tx.init(p), p)
   # m < 2 in the preconditioner group with a variance correction
-  spec = so.adam_bc_spec(mode="full")
+  tx = so.adamw_bc(1e-3, mode="full", crossfit="ab")
   with pytest.raises(ValueError, match="at least 2 microbatches"):
-    so.collect(lambda p, mb: (jnp.sum(p["w"] * mb), {}), p, jnp.ones((2, 3)), spec)
+    so.collect(lambda p, mb: (jnp.sum(p["w"] * mb), {}), p, jnp.ones((2, 3)), tx.init(p))
+  # MultiSteps would mix the k-step mean gradient with one mini-step's statistics
+  ms = optax.MultiSteps(so.adamw_bc(1e-3), every_k_schedule=2)
+  with pytest.raises(ValueError, match="MultiSteps"):
+    so.collect(lambda p, mb: (jnp.sum(p["w"] * mb), {}), p, jnp.ones((4, 3)), ms.init(p))
 
 
 # ---------------------------------------------------------------------------------------
@@ -146,14 +151,14 @@ def per_mb_grads(params, mbs):
 
 
 def warm_state(tx, params, steps=3):
-  """A non-trivial optimizer state from a few std steps."""
-  std = so.adamw_bc(1e-3, mode="std")
-  st = std.init(params)
+  """tx's state with non-trivial Adam moments from a few std steps."""
+  std = so.scale_by_adam_bc(B1, B2, EPS, mode="std")
+  s = std.init(params)
   for i in range(steps):
     g = jax.tree.map(lambda x: jnp.sin(x * (i + 1)) + 0.3, params)
-    _, st = std.update(g, st, params)
-  # same structure as tx's state
-  return jax.tree.map(lambda x: x, st)
+    _, s = std.update(g, s, params)
+  st = tx.init(params)
+  return (st[0]._replace(count=s.count, mu=s.mu, nu=s.nu),) + tuple(st[1:])
 
 
 def ref_inv(v_hat, var_x, b, eps, correction):
@@ -184,7 +189,7 @@ def ref_ab_update(p, st, g_a, g_b, mode, correction, v_source):
     if v_source == "sq_of_mean":
       x = gbar_b ** 2
       var_g = gb.var(0, ddof=1) / mb
-      var_x = 4 * gbar_b ** 2 * var_g + 2 * var_g ** 2
+      var_x = np.maximum(4 * gbar_b ** 2 * var_g - 2 * var_g ** 2 * (mb - 1) / (mb + 1), 0)
     else:
       x = (gb ** 2).mean(0)
       var_x = (gb ** 2).var(0, ddof=1) / mb
@@ -204,10 +209,8 @@ def run_ours(mode, crossfit, correction, v_source="sq_of_mean", m=8, **kw):
   mbs = reg_mbs(jax.random.PRNGKey(11), m)
   tx = so.adamw_bc(LR, B1, B2, EPS, WD, mode=mode, crossfit=crossfit, correction=correction,
                    v_source=v_source, **kw)
-  spec = so.adam_bc_spec(mode=mode, crossfit=crossfit, correction=correction,
-                         v_source=v_source, b1=B1, b2=B2, eps=EPS)
   st = warm_state(tx, params)
-  stats = so.collect(reg_loss, params, mbs, spec, opt_state=st)
+  stats = so.collect(reg_loss, params, mbs, st)
   u, st_new = tx.update(stats.numerator, st, params, bc_stats=stats)
   return params, mbs, st, optax.apply_updates(params, u), st_new
 
@@ -249,9 +252,10 @@ def test_reference_pre_ema_coefficient_is_reproducible():
   """
   params = reg_params()
   mbs = reg_mbs(jax.random.PRNGKey(11), 8)
-  stats = so.collect(reg_loss, params, mbs, so.adam_bc_spec(mode="full", correction="pre_ema"))
+  tx0 = so.scale_by_adam_bc(B1, B2, 1e-12, mode="full", crossfit="ab", correction="pre_ema")
+  stats = so.collect(reg_loss, params, mbs, tx0.init(params))
   def u_of(**kw):
-    tx = so.scale_by_adam_bc(B1, B2, 1e-12, mode=kw.pop("mode", "full"), **kw)
+    tx = so.scale_by_adam_bc(B1, B2, 1e-12, mode=kw.pop("mode", "full"), crossfit="ab", **kw)
     u, _ = tx.update(stats.numerator, tx.init(params), bc_stats=stats)
     return np.abs(np.asarray(u["w"], np.float64))
   cf = u_of(mode="cf")
@@ -288,7 +292,7 @@ def test_symmetric_matches_float64_formula():
       for gs in (g[k][:4], g[k][4:]):
         gbar = gs.mean(0)
         var_g = gs.var(0, ddof=1) / 4
-        var_x = 4 * gbar ** 2 * var_g + 2 * var_g ** 2
+        var_x = np.maximum(4 * gbar ** 2 * var_g - 2 * var_g ** 2 * 3 / 5, 0)  # m = 4
         m_hat = (B1 * mu + (1 - B1) * gbar) / (1 - B1 ** t)
         v_hat = (B2 * nu + (1 - B2) * gbar ** 2) / (1 - B2 ** t)
         sides.append((m_hat, ref_inv(v_hat, var_x, b, EPS, corr or "none")))
@@ -337,9 +341,8 @@ def test_sparse_filter_keeps_embeddings_on_full_batch_adamw():
   is_sparse = lambda p: {"w": False, "b": True, "c": False}
   tx = so.adamw_bc(LR, B1, B2, EPS, WD, mode="full", crossfit="ab", sparse_filter=is_sparse,
                    sparse_learning_rate=3e-3)
-  spec = so.adam_bc_spec(mode="full")
   st = tx.init(params)
-  stats = so.collect(reg_loss, params, mbs, spec)
+  stats = so.collect(reg_loss, params, mbs, st)
   u, _ = jax.jit(lambda s, st: tx.update(s.numerator, st, params, bc_stats=s))(stats, st)
   # sparse tensor: plain AdamW on the full-batch gradient with its own lr
   ref = optax.adamw(3e-3, B1, B2, EPS, weight_decay=WD)
@@ -357,12 +360,11 @@ def test_loo_with_sparse_filter_runs_under_partition():
   mbs = reg_mbs(jax.random.PRNGKey(2), 6)
   tx = so.adamw_bc(LR, mode="full", crossfit="loo",
                    sparse_filter=lambda p: {"w": False, "b": True, "c": False})
-  spec = so.adam_bc_spec(mode="full", crossfit="loo", b2=0.95)
   st = tx.init(params)
 
   @jax.jit
   def step(p, st):
-    stats = so.collect(reg_loss, p, mbs, spec, opt_state=st)
+    stats = so.collect(reg_loss, p, mbs, st)
     u, st = tx.update(stats.numerator, st, p, bc_stats=stats)
     return optax.apply_updates(p, u), st
 
@@ -374,12 +376,11 @@ def test_loo_with_sparse_filter_runs_under_partition():
 
 def test_std_warmup_steps_equal_std_then_switch():
   params = reg_params()
-  tx_w = so.adamw_bc(LR, mode="full", std_warmup_steps=2)
+  tx_w = so.adamw_bc(LR, mode="full", crossfit="ab", std_warmup_steps=2)
   tx_s = so.adamw_bc(LR, mode="std")
-  spec = so.adam_bc_spec(mode="full")
   s_w, s_s = tx_w.init(params), tx_s.init(params)
   for i in range(3):
-    stats = so.collect(reg_loss, params, reg_mbs(jax.random.PRNGKey(i), 8), spec)
+    stats = so.collect(reg_loss, params, reg_mbs(jax.random.PRNGKey(i), 8), s_w)
     u_w, s_w = tx_w.update(stats.numerator, s_w, params, bc_stats=stats)
     u_s, s_s = tx_s.update(stats.full, s_s, params)
     same = all(np.allclose(a, b, rtol=1e-6) for a, b in zip(jax.tree.leaves(u_w),
@@ -389,14 +390,14 @@ def test_std_warmup_steps_equal_std_then_switch():
 
 def test_nonfinite_update_is_skipped_per_tensor():
   params = reg_params()
-  tx = so.scale_by_adam_bc(mode="full")
-  spec = so.adam_bc_spec(mode="full")
-  stats = so.collect(reg_loss, params, reg_mbs(jax.random.PRNGKey(0), 8), spec)
+  tx = so.scale_by_adam_bc(mode="full", crossfit="ab")
+  st = tx.init(params)
+  stats = so.collect(reg_loss, params, reg_mbs(jax.random.PRNGKey(0), 8), st)
   bad_b = stats.b._replace(var=dict(stats.b.var, w=stats.b.var["w"].at[0, 0].set(jnp.nan)))
   stats = stats._replace(b=bad_b)
-  st = tx.init(params)
   u, st2 = tx.update(stats.numerator, st, params, bc_stats=stats)
-  assert np.all(np.asarray(u["w"]) == 0)
+  assert np.all(np.asarray(u["w"]) == 0) and int(st2.skipped) == 1
+  assert int(so.skipped_tensors((st2, optax.EmptyState()))) == 1
   np.testing.assert_array_equal(st2.mu["w"], st.mu["w"])
   assert np.all(np.isfinite(u["b"])) and np.any(np.asarray(u["b"]) != 0)
 
@@ -426,14 +427,15 @@ def test_adam_pre_ema_inverse_sqrt_cuts_bias_5x(gamma_draws):
   """Through the transform: first step, b1 = 0, statistic = Gamma mean-of-squares."""
   xbar, var = gamma_draws
   n = xbar.shape[0]
-  tx = so.scale_by_adam_bc(b1=0.0, b2=0.95, eps=1e-8, mode="full", correction="pre_ema",
-                           v_source="mean_sq", skip_nonfinite=False)
+  tx = so.scale_by_adam_bc(b1=0.0, b2=0.95, eps=1e-8, mode="full", crossfit="ab",
+                           correction="pre_ema", v_source="mean_sq", skip_nonfinite=False)
   ones = jnp.ones(n)
   grp = GroupStats(mean=ones, sq=jnp.asarray(xbar, jnp.float32),
-                   var=jnp.asarray(var, jnp.float32), count=jnp.asarray(8))
+                   var=jnp.asarray(var, jnp.float32), count=8)
   stats = BCStats(numerator=ones, full=ones, a=grp, b=grp, loo=None, loss=0.0, aux={})
   u, _ = tx.update(ones, tx.init(ones), bc_stats=stats)
-  tx0 = so.scale_by_adam_bc(b1=0.0, b2=0.95, eps=1e-8, mode="cf", v_source="mean_sq")
+  tx0 = so.scale_by_adam_bc(b1=0.0, b2=0.95, eps=1e-8, mode="cf", crossfit="ab",
+                            v_source="mean_sq")
   u0, _ = tx0.update(ones, tx0.init(ones), bc_stats=stats)
   bias_plug = float(np.mean(np.asarray(u0, np.float64))) - 1.0  # target 1/sqrt(E x) = 1
   bias_corr = float(np.mean(np.asarray(u, np.float64))) - 1.0
@@ -463,21 +465,23 @@ def _coupling_errors(m, b2, trials=20_000):
   def loss(p, mb):
     return 0.5 * jnp.mean((mb["x"] @ p - mb["y"]) ** 2), {}
 
-  tx = so.scale_by_adam_bc(b1=0.0, b2=b2, mode="cf")
-  tx_full = so.scale_by_adam_bc(b1=0.0, b2=b2, mode="full", correction="pre_ema")
-  st = tx.init(d)._replace(count=jnp.asarray(10_000, jnp.int32), nu=jnp.asarray(P, jnp.float32))
+  warm = lambda s: s._replace(count=jnp.asarray(10_000, jnp.int32), nu=jnp.asarray(P, jnp.float32))
+  tx_same = so.scale_by_adam_bc(b1=0.0, b2=b2, mode="std")
+  tx = so.scale_by_adam_bc(b1=0.0, b2=b2, mode="cf", crossfit="rolling_b")
+  tx_full = so.scale_by_adam_bc(b1=0.0, b2=b2, mode="full", crossfit="rolling_b",
+                                correction="pre_ema")
+  st_same, st, st_full = (warm(t.init(d)) for t in (tx_same, tx, tx_full))
 
   def one(key):
     kx, ke = jax.random.split(key)
     x = jax.random.normal(kx, (2, m, 1, 4))
     y = sigma * jax.random.normal(ke, (2, m, 1))
     a, b = {"x": x[0], "y": y[0]}, {"x": x[1], "y": y[1]}
-    same = so.collect(loss, d, a, CollectorSpec(layout="all", var_of="grad"))
-    cross = so.collect(loss, d, a, CollectorSpec(layout="rolling_b", var_of="grad"),
-                       b_microbatches=b)
-    return (tx.update(same.numerator, st, bc_stats=same)[0],
+    same = so.collect(loss, d, a, st_same)
+    cross = so.collect(loss, d, a, st_full, b_microbatches=b)
+    return (tx_same.update(same.numerator, st_same)[0],
             tx.update(cross.numerator, st, bc_stats=cross)[0],
-            tx_full.update(cross.numerator, st, bc_stats=cross)[0])
+            tx_full.update(cross.numerator, st_full, bc_stats=cross)[0])
 
   us = jax.jit(jax.vmap(one))(jax.random.split(jax.random.PRNGKey(0), trials))
   return [float(np.linalg.norm(np.asarray(u, np.float64).mean(0) - target)) for u in us]

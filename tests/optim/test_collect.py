@@ -5,8 +5,28 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from typing import NamedTuple
+
 import scaleopt.optim as so
-from scaleopt.optim.collect import CollectorSpec
+from scaleopt.optim.collect import CollectorSpec, Static, StateHooks
+
+
+class Needs(NamedTuple):
+  """A user-registered state type that asks the collector for a spec (the protocol)."""
+  spec: Static
+  hp: dict
+
+
+class LooNeeds(NamedTuple):
+  spec: Static
+  hp: dict
+
+
+so.register_bc_state(Needs)
+
+
+def needs(**kw):
+  return Needs(Static(CollectorSpec(**kw)), {})
 
 
 def mlp_params(key, d_in=6, d_h=5, d_out=3):
@@ -66,7 +86,7 @@ def setup():
 def test_all_layout(setup, var_of):
   params, mbs, (g, loss, aux) = setup
   spec = CollectorSpec(layout="all", var_of=var_of, need_sq=True)
-  st = jax.jit(lambda p, b: so.collect(mlp_loss, p, b, spec))(params, mbs)
+  st = jax.jit(lambda p, b: so.collect(mlp_loss, p, b, Needs(Static(spec), {})))(params, mbs)
   mean, sq, var_g, var_sq = ref_group(g)
   assert_tree_close(st.full, mean)
   assert_tree_close(st.numerator, mean)
@@ -84,7 +104,7 @@ def test_all_layout(setup, var_of):
 @pytest.mark.parametrize("layout", ["ab", "symmetric", "rolling_b"])
 def test_two_group_layouts(setup, layout):
   params, mbs, (g, loss, _) = setup
-  spec = CollectorSpec(layout=layout, var_of="grad", need_sq=True)
+  spec = needs(layout=layout, var_of="grad", need_sq=True)
   if layout == "rolling_b":
     b_mbs = make_mbs(jax.random.PRNGKey(7), 5)
     g_b, loss_b, _ = stacked(params, b_mbs)
@@ -109,6 +129,10 @@ def test_two_group_layouts(setup, layout):
   else:
     assert st.a.var is None  # the numerator group needs no variance
     assert_tree_close(st.numerator, mean_a)
+  if layout == "rolling_b":  # B is the next step's A: the step's own data is A
+    assert_tree_close(st.full, mean_a)
+    np.testing.assert_allclose(float(st.loss), loss_a.mean(), rtol=1e-5)
+    return
   g_all = jax.tree.map(lambda a, b: np.concatenate([a, b]), g_a, g_b)
   assert_tree_close(st.full, jax.tree.map(lambda a: a.mean(0), g_all))
   np.testing.assert_allclose(float(st.loss), np.concatenate([loss_a, loss_b]).mean(), rtol=1e-5)
@@ -123,8 +147,9 @@ def test_loo_layout_runs_fold_fn_on_every_microbatch(setup):
     g_mr = jax.tree.map(lambda r, f: (m_ * f - r) / (m_ - 1), g_r, g_full)
     return {"loo": g_mr}, jax.tree.map(lambda x: x * x, g_mr)
 
-  spec = CollectorSpec(layout="loo", fold_fn_factory=lambda _: fold_fn)
-  st = jax.jit(lambda p, b: so.collect(mlp_loss, p, b, spec))(params, mbs)
+  so.register_bc_state(LooNeeds, StateHooks(fold_fn=lambda state, hp: fold_fn))
+  state = LooNeeds(Static(CollectorSpec(layout="loo")), {})
+  st = jax.jit(lambda p, b: so.collect(mlp_loss, p, b, state))(params, mbs)
   full = jax.tree.map(lambda a: a.mean(0), g)
   loo = jax.tree.map(lambda a, f: (m * f[None] - a) / (m - 1), g, full)  # [m, ...]
   assert_tree_close(st.full, full)
@@ -139,12 +164,14 @@ def test_errors():
     CollectorSpec(layout="abc")
   with pytest.raises(ValueError, match="at least 2 microbatches"):
     so.collect(mlp_loss, params, make_mbs(jax.random.PRNGKey(1), 2),
-               CollectorSpec(layout="ab", var_of="grad"))
+               needs(layout="ab", var_of="grad"))
   with pytest.raises(ValueError, match="odd"):
-    so.collect(mlp_loss, params, make_mbs(jax.random.PRNGKey(1), 5), CollectorSpec(layout="ab"))
+    so.collect(mlp_loss, params, make_mbs(jax.random.PRNGKey(1), 5), needs(layout="ab"))
   with pytest.raises(ValueError, match="b_microbatches"):
+    so.collect(mlp_loss, params, make_mbs(jax.random.PRNGKey(1), 4), needs(layout="rolling_b"))
+  with pytest.raises(ValueError, match="different layouts"):
     so.collect(mlp_loss, params, make_mbs(jax.random.PRNGKey(1), 4),
-               CollectorSpec(layout="rolling_b"))
+               (needs(layout="ab"), needs(layout="loo")))
 
 
 def _temp_bytes(m, d=256):
@@ -156,7 +183,7 @@ def _temp_bytes(m, d=256):
     return jnp.mean((h @ p["w3"] - mb["y"]) ** 2), {}
 
   mbs = {"x": jnp.zeros((m, 2, d)), "y": jnp.zeros((m, 2, d))}
-  spec = CollectorSpec(layout="ab", var_of="grad", need_sq=True)
+  spec = needs(layout="ab", var_of="grad", need_sq=True)
   f = jax.jit(lambda p, b: so.collect(loss, p, b, spec))
   return f.lower(params, mbs).compile().memory_analysis().temp_size_in_bytes
 

@@ -45,14 +45,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaleopt.optim import gnb
-from scaleopt.optim.collect import BCStats, CollectorSpec, refresh_groups
+from scaleopt.optim import delta, gnb
+from scaleopt.optim.adam_bc import check_choice, tmap, unzip
+from scaleopt.optim.collect import (BCStats, CollectorSpec, Static, align, clip_factor,
+                                    refresh_groups, register_bc_state, register_estimator,
+                                    value_and_grad_fn, welford_add, welford_init,
+                                    welford_var_of_mean)
 
 PyTree = Any
-MaskedNode = optax.MaskedNode
 
 MODES = ("std", "cf", "inv", "full")
-CROSSFITS = ("ab",)
+CROSSFITS = ("ab", "rolling_b")
 ESTIMATORS = ("gnb", "hutchinson")
 DENOMINATOR_SCALES = ("matched", "reference")
 COUNT_UNITS = ("tokens", "sequences")
@@ -73,76 +76,53 @@ class SophiaCurvature(NamedTuple):
 
 
 class ScaleBySophiaState(NamedTuple):
-  """count, momentum mu, curvature EMA h and the cached (corrected) inverse, float32."""
+  """count, momentum mu, curvature EMA h and the cached (corrected) inverse, float32;
+  skipped: tensors zeroed at the last step (non-finite); spec: the ``CollectorSpec``."""
   count: jax.Array
   mu: PyTree
   h: PyTree
   inv: PyTree
+  skipped: jax.Array
+  spec: Static
+  hp: dict
 
 
-def _check(name, value, allowed):
-  if value not in allowed:
-    raise ValueError(f"{name}={value!r} is not allowed; choose one of {allowed}")
+register_bc_state(ScaleBySophiaState)
 
 
 def _resolve(mode: str, correction: Optional[str]) -> str:
-  _check("mode", mode, MODES)
+  check_choice("mode", mode, MODES)
   if correction is None:
     correction = "delta" if mode in ("inv", "full") else "none"
-  _check("correction", correction, ("none", "delta"))
-  if mode in ("inv", "full") and correction == "none":
-    raise ValueError(f"mode={mode!r} applies the variance correction; correction must be "
-                     "'delta' (or use mode='std'/'cf')")
-  if mode in ("std", "cf") and correction != "none":
-    raise ValueError(f"mode={mode!r} applies no variance correction; correction must be 'none'")
+  check_choice("correction", correction, ("none", "delta"))
+  if (mode in ("inv", "full")) != (correction != "none"):
+    raise ValueError(f"mode={mode!r} with correction={correction!r}: modes 'inv'/'full' apply "
+                     "the variance correction ('delta') and 'std'/'cf' none")
   return correction
 
 
-def find_sophia_state(opt_state: PyTree) -> ScaleBySophiaState:
-  """The one ``ScaleBySophiaState`` inside an optimizer state."""
-  found = [x for x in jax.tree.leaves(opt_state,
-                                      is_leaf=lambda x: isinstance(x, ScaleBySophiaState))
-           if isinstance(x, ScaleBySophiaState)]
-  if len(found) != 1:
-    raise ValueError(f"expected exactly one ScaleBySophiaState in the optimizer state, found "
-                     f"{len(found)}")
-  return found[0]
-
-
-def sophia_spec(mode: str = "std", crossfit: str = "ab", rolling_b: bool = False,
-                estimator: str = "gnb", k: int = 10, statistic: Optional[str] = None,
-                count_unit: str = "tokens", denominator_scale: str = "matched",
-                correction: Optional[str] = None, **_) -> CollectorSpec:
-  """The ``CollectorSpec`` for ``sophia_collect`` (extra keyword arguments are ignored so a
-  transform's settings can be passed through).
-
-  ``statistic`` (GNB only): ``"sq_of_mean"`` (h_step from the square of the group's mean
-  sampled gradient; default for ``std``, Sophia's original) or ``"mean_sq"`` (mean of
-  per-microbatch squares; default otherwise, and required by the variance correction).
-  """
-  correction = _resolve(mode, correction)
-  _check("crossfit", crossfit, CROSSFITS)
-  _check("estimator", estimator, ESTIMATORS)
-  _check("count_unit", count_unit, COUNT_UNITS)
-  _check("denominator_scale", denominator_scale, DENOMINATOR_SCALES)
+def _check_k(k):
   if not isinstance(k, int) or isinstance(k, bool) or k < 1:
     raise ValueError(f"k={k!r} (Hessian refresh interval) must be an integer >= 1")
-  if statistic is None:
-    statistic = "sq_of_mean" if mode == "std" else "mean_sq"
-  _check("statistic", statistic, STATISTICS)
+
+
+def sophia_collector_spec(mode, crossfit, estimator, k, statistic, count_unit,
+                          denominator_scale, correction) -> CollectorSpec:
+  """The estimator pass these settings need (stored in the state)."""
+  check_choice("crossfit", crossfit, CROSSFITS)
+  check_choice("estimator", estimator, ESTIMATORS)
+  check_choice("count_unit", count_unit, COUNT_UNITS)
+  check_choice("denominator_scale", denominator_scale, DENOMINATOR_SCALES)
+  _check_k(k)
+  check_choice("statistic", statistic, STATISTICS)
   if correction != "none" and estimator == "gnb" and statistic != "mean_sq":
     raise ValueError("the variance correction needs statistic='mean_sq' (per-microbatch "
                      "estimates whose spread gives Var(h_step))")
-  layout = "all" if mode in ("std", "inv") else ("rolling_b" if rolling_b else "ab")
+  layout = "all" if mode in ("std", "inv") else crossfit
   weight = count_unit if denominator_scale == "matched" else "none"
   opts = (("statistic", statistic), ("weight", weight), ("need_var", correction != "none"))
   return CollectorSpec(layout=layout, estimator=estimator, refresh_every=k,
-                       needs_logits=estimator == "gnb", needs_key=True,
-                       estimator_options=opts)
-
-
-def _zeros(tree):
-  return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
+                       needs_logits=estimator == "gnb", needs_key=True, estimator_options=opts)
 
 
 def _curvature_pass(loss_fn, logits_fn, params, mbs, key, estimator, statistic, weight,
@@ -150,68 +130,52 @@ def _curvature_pass(loss_fn, logits_fn, params, mbs, key, estimator, statistic, 
   """Scan over the curvature group: h_step and Var(h_step) (float32)."""
   m = jax.tree.leaves(mbs)[0].shape[0]
   keys = jax.random.split(key, m)
-  p32 = _zeros(params)
-  carry0 = dict(j=jnp.zeros((), jnp.float32), g=p32, x=p32, m2=p32 if need_var else None,
-                n=jnp.zeros((), jnp.float32))
+  z = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), params)
+  carry0 = dict(g=z, w=welford_init(z), n=jnp.zeros((), jnp.float32))
 
   def body(c, inp):
     mb, kj = inp
     if estimator == "gnb":
       g, n_tok, n_seq = gnb.gnb_grad(logits_fn, params, mb, kj)
       w = {"tokens": n_tok, "sequences": n_seq, "none": 1.0}[weight]
-      x = jax.tree.map(lambda t: w * t * t, g) if statistic == "mean_sq" else None
-      c = dict(c, n=c["n"] + (n_tok if weight == "tokens" else n_seq))
-      if statistic == "sq_of_mean":
-        c = dict(c, g=jax.tree.map(jnp.add, c["g"], g))
+      x = jax.tree.map(lambda t: w * t * t, g)
+      c = dict(c, n=c["n"] + (n_tok if weight == "tokens" else n_seq),
+               g=jax.tree.map(jnp.add, c["g"], g))
     else:
       x = gnb.hutchinson_diag(loss_fn, params, mb, kj)
-    j = c["j"] + 1.0
-    if x is not None:
-      if need_var:
-        delta = jax.tree.map(lambda xi, mu: xi - mu, x, c["x"])
-        mu = jax.tree.map(lambda mu, d: mu + d / j, c["x"], delta)
-        m2 = jax.tree.map(lambda s, d, xi, mu_: s + d * (xi - mu_), c["m2"], delta, x, mu)
-        c = dict(c, x=mu, m2=m2)
-      else:
-        c = dict(c, x=jax.tree.map(jnp.add, c["x"], x))
-    return dict(c, j=j), None
+    return dict(c, w=welford_add(c["w"], x)), None
 
   c, _ = jax.lax.scan(body, carry0, (mbs, keys))
   if estimator == "gnb" and statistic == "sq_of_mean":
     scale = c["n"] if weight != "none" else 1.0
     h = jax.tree.map(lambda s: scale * (s / m) ** 2, c["g"])
   else:
-    h = c["x"] if need_var else jax.tree.map(lambda s: s / m, c["x"])
-  var = None
-  if need_var:
-    den = 1.0 / (m * (m - 1)) if m > 1 else 0.0
-    var = jax.tree.map(lambda s: jnp.maximum(s * den, 0.0), c["m2"])
-  return h, var
+    h = c["w"].mean
+  return h, (welford_var_of_mean(c["w"], m) if need_var else None)
 
 
-def sophia_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: CollectorSpec, *,
-                   opt_state: PyTree, key: jax.Array, logits_fn=None,
-                   b_microbatches: PyTree = None) -> BCStats:
+def sophia_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: CollectorSpec, found,
+                   *, key: jax.Array, logits_fn=None, b_microbatches: PyTree = None,
+                   max_norm=None) -> BCStats:
   """Numerator gradient plus (on refresh steps) Sophia's curvature estimate, in one jitted step.
 
   Every step: true-label gradients of ``loss_fn`` over the numerator group (``all``: every
   microbatch; ``ab``: group A on refresh steps and all 2m microbatches otherwise;
-  ``rolling_b``: ``microbatches``). On refresh steps (count % k == 0, read from ``opt_state``)
-  the estimator pass runs over the curvature group (``all``: every microbatch; ``ab``: B;
-  ``rolling_b``: ``b_microbatches``) inside ``lax.cond``, so other steps do not pay for it.
-
-  Returns:
-    ``BCStats`` whose ``precond`` is a ``SophiaCurvature``.
+  ``rolling_b``: ``microbatches``). On refresh steps (count % k == 0, read from the state)
+  the estimator runs over the curvature group (``all``: every microbatch; ``ab``: B;
+  ``rolling_b``: ``b_microbatches``) inside ``lax.cond``. ``loss``/``full`` cover the numerator
+  group. A consistent clip scales the numerator by c = min(1, max_norm / ||g_num||); the
+  curvature is not a gradient statistic and is not scaled.
   """
   opts = dict(spec.estimator_options)
   if spec.estimator == "gnb" and logits_fn is None:
     raise ValueError("the GNB estimator needs logits_fn(params, mb) -> (logits, mask)")
   if key is None:
-    raise ValueError("sophia_collect needs a PRNG key (label sampling / Rademacher vectors)")
-  st = find_sophia_state(opt_state)
-  refresh = (st.count % spec.refresh_every) == 0
-  num, mbs_c = refresh_groups(loss_fn, params, microbatches, spec.layout, refresh,
-                              b_microbatches)
+    raise ValueError("Sophia's estimator needs a PRNG key (collect(..., key=...))")
+  states = [f.state for f in found if isinstance(f.state, ScaleBySophiaState)]
+  refresh = (states[0].count % spec.refresh_every) == 0
+  (num, loss, aux), mbs_c = refresh_groups(value_and_grad_fn(loss_fn), params, microbatches,
+                                           spec.layout, refresh, b_microbatches)
   need_var = opts["need_var"]
   m_c = jax.tree.leaves(mbs_c)[0].shape[0]
   if need_var and m_c < 2:
@@ -223,11 +187,28 @@ def sophia_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collecto
                            opts["statistic"], opts["weight"], need_var)
 
   def skip():
-    z = _zeros(params)
-    return z, (z if need_var else None)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run))
 
   h, var = jax.lax.cond(refresh, run, skip)
-  return num._replace(precond=SophiaCurvature(h_step=h, var=var, refresh=refresh))
+  c = clip_factor(num, max_norm) if max_norm is not None else jnp.float32(1.0)
+  num = jax.tree.map(lambda x: c * x, num)
+  return BCStats(num, num, None, None, None, loss, aux, c,
+                 SophiaCurvature(h_step=h, var=var, refresh=refresh))
+
+
+register_estimator("gnb", sophia_collect)
+register_estimator("hutchinson", sophia_collect)
+
+
+def _refresh(h, hs, var, a, b2, eps, scale):
+  """New h and (corrected) inverse: h <- b2 h + (1-b2) h_step, inv = 1/p - Var(p)/p^3
+  (``var`` None: no correction)."""
+  h_new = b2 * h + (1 - b2) * hs
+  p = a * h_new + eps
+  if var is None:
+    return h_new, 1.0 / p
+  var_p = ((a * (1 - b2)) ** 2) * var  # first, so zero variance subtracts exactly 0
+  return h_new, delta.inv_corrected(p, var_p, scale=scale)
 
 
 def scale_by_sophia(
@@ -239,6 +220,10 @@ def scale_by_sophia(
     clip: float = 1.0,
     k: int = 10,
     mode: str = "std",
+    crossfit: str = "ab",
+    estimator: str = "gnb",
+    statistic: Optional[str] = None,
+    count_unit: str = "tokens",
     correction: Optional[str] = None,
     denominator_scale: str = "matched",
     bs: Optional[float] = None,
@@ -247,7 +232,6 @@ def scale_by_sophia(
     hessian_first: bool = True,
     skip_nonfinite: bool = True,
     state_dtype=jnp.float32,
-    **_spec_only,
 ) -> optax.GradientTransformationExtraArgs:
   """Sophia's scaling (see the module docstring); ``update(g, state, params, *, bc_stats)``.
 
@@ -255,92 +239,73 @@ def scale_by_sophia(
     b1, b2, eps: momentum and curvature EMA rates; eps is added to the denominator (> 0).
     rho: curvature scale (Sophia's rho, optax's gamma).
     clip: per-coordinate clip c of m * inv (0 = off).
-    k: refresh interval; must equal the spec's (``sophia_spec(k=...)``).
+    k: refresh interval of the curvature (the collector reads it from the state).
     mode, correction: ``std|cf|inv|full``; correction ``delta`` (inv, full) or ``none``.
+    crossfit: ``ab`` (halves of 2m microbatches) or ``rolling_b`` (B = next step's A).
+    estimator: ``gnb`` (Sophia-G) or ``hutchinson`` (Sophia-H).
+    statistic: GNB only: ``sq_of_mean`` (square of the group's mean sampled gradient; default
+      for ``std``) or ``mean_sq`` (mean of per-microbatch squares; default otherwise, and
+      required by the variance correction).
+    count_unit: positions (``tokens``) or ``sequences`` weight per-microbatch GNB squares.
     denominator_scale, bs: ``matched`` (s = 1) or ``reference`` (s = bs, required).
     correction_scale: multiplies the subtracted delta-method term.
     bias_correct_momentum: use m / (1 - b1^t) (optax.contrib.sophia) instead of m (paper).
     hessian_first: on refresh steps use the new inverse in the same step (paper's code);
       False uses the previous one and refreshes afterwards (optax.contrib.sophia).
-    skip_nonfinite: a tensor with a non-finite update gets a zero update and keeps its state.
+    skip_nonfinite: a tensor with a non-finite update gets a zero update and keeps its state
+      (counted in ``state.skipped``).
     state_dtype: dtype of mu, h, inv.
   """
   correction = _resolve(mode, correction)
-  _check("denominator_scale", denominator_scale, DENOMINATOR_SCALES)
+  statistic = statistic or ("sq_of_mean" if mode == "std" else "mean_sq")
+  spec = sophia_collector_spec(mode, crossfit, estimator, k, statistic, count_unit,
+                               denominator_scale, correction)
   if not eps > 0:
     raise ValueError(f"eps={eps!r} must be > 0 (it bounds the inverse before the first refresh)")
   if denominator_scale == "reference" and (bs is None or bs <= 0):
     raise ValueError("denominator_scale='reference' needs bs > 0 (examples per step)")
-  if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-    raise ValueError(f"k={k!r} (Hessian refresh interval) must be an integer >= 1")
-  s = float(bs) if denominator_scale == "reference" else 1.0
-  a = rho * s  # p = a h + eps
+  a = rho * (float(bs) if denominator_scale == "reference" else 1.0)  # p = a h + eps
 
   def init_fn(params):
     z = lambda p: jnp.zeros(jnp.shape(p), state_dtype)
-    return ScaleBySophiaState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(z, params),
-                              h=jax.tree.map(z, params),
-                              inv=jax.tree.map(lambda p: jnp.full(jnp.shape(p), 1.0 / eps,
-                                                                  state_dtype), params))
+    return ScaleBySophiaState(
+        jnp.zeros([], jnp.int32), jax.tree.map(z, params), jax.tree.map(z, params),
+        jax.tree.map(lambda p: jnp.full(jnp.shape(p), 1.0 / eps, state_dtype), params),
+        jnp.zeros([], jnp.int32), Static(spec), {})
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     del params
     if bc_stats is None or not isinstance(bc_stats.precond, SophiaCurvature):
-      raise ValueError("scale_by_sophia needs bc_stats from sophia_collect (bc_stats.precond "
-                       "must be a SophiaCurvature)")
+      raise ValueError("scale_by_sophia needs bc_stats from scaleopt.optim.collect (with this "
+                       "transform's state)")
     cur = bc_stats.precond
-    refresh = cur.refresh
-    if correction != "none" and cur.var is None:
-      raise ValueError("the variance correction needs Var(h_step); build the spec with the "
-                       "same mode (sophia_spec)")
     count_inc = optax.safe_increment(state.count)
-    is_masked = lambda x: isinstance(x, MaskedNode)
-    g_l, td = jax.tree.flatten(updates, is_leaf=is_masked)
-    mu_l, h_l, inv_l = (td.flatten_up_to(t) for t in (state.mu, state.h, state.inv))
-    hs_l = td.flatten_up_to(cur.h_step)
-    var_l = td.flatten_up_to(cur.var) if cur.var is not None else [None] * len(g_l)
-    live = [i for i, g in enumerate(g_l) if not is_masked(g)]
+    hs = align(cur.h_step, updates)
+    var = align(cur.var, updates) if correction != "none" else hs  # hs: unused placeholder
+    use_var = correction != "none"
 
-    def refreshed(h_old, hs, var):
-      h_new = [b2 * h_old[i] + (1 - b2) * hs[i].astype(state_dtype) for i in range(len(h_old))]
-      inv_new = []
-      for i, h in enumerate(h_new):
-        p = a * h + eps
-        inv = 1.0 / p
-        if correction != "none":
-          var_p = ((a * (1 - b2)) ** 2) * var[i]  # first, so zero variance subtracts exactly 0
-          inv = jnp.maximum(inv - correction_scale * var_p / (p * p * p), 0.0)
-        inv_new.append(inv.astype(state_dtype))
-      return h_new, inv_new
+    def refreshed(h, hs_, var_):
+      out = tmap(lambda h_, s_, v_: _refresh(h_, s_, v_ if use_var else None, a, b2, eps,
+                                             correction_scale), h, hs_, var_)
+      return tuple(tmap(lambda x: x.astype(state_dtype), t) for t in unzip(out, h, 2))
 
-    h_old = [h_l[i] for i in live]
-    inv_old = [inv_l[i] for i in live]
-    hs = [hs_l[i] for i in live]
-    var = [var_l[i] for i in live] if correction != "none" else [None] * len(live)
-    h_new, inv_new = jax.lax.cond(refresh, refreshed, lambda h, s_, v: (h_old, inv_old),
-                                  h_old, hs, var)
+    h_new, inv_new = jax.lax.cond(cur.refresh, refreshed, lambda h, s_, v_: (h, state.inv),
+                                  state.h, hs, var)
     bc1 = 1.0 - b1 ** count_inc.astype(jnp.float32)
-    out_u, out_mu, out_h, out_inv = list(g_l), list(mu_l), list(h_l), list(inv_l)
-    for j, i in enumerate(live):
-      g = g_l[i].astype(state_dtype)
-      mu = b1 * mu_l[i] + (1 - b1) * g
-      inv = inv_new[j] if hessian_first else inv_old[j]
-      m_use = mu / bc1 if bias_correct_momentum else mu
-      u = m_use * inv
-      if clip > 0:
-        u = jnp.clip(u, -clip, clip)
-      h_i, inv_i = h_new[j], inv_new[j]
-      if skip_nonfinite:
-        ok = jnp.all(jnp.isfinite(u)) & jnp.all(jnp.isfinite(inv_i))
-        u = jnp.where(ok, u, 0.0)
-        mu = jnp.where(ok, mu, mu_l[i])
-        h_i = jnp.where(ok, h_i, h_l[i])
-        inv_i = jnp.where(ok, inv_i, inv_l[i])
-      out_u[i] = u.astype(g_l[i].dtype)
-      out_mu[i], out_h[i], out_inv[i] = mu.astype(state_dtype), h_i, inv_i
-    un = lambda l: jax.tree.unflatten(td, l)
-    return un(out_u), ScaleBySophiaState(count=count_inc, mu=un(out_mu), h=un(out_h),
-                                         inv=un(out_inv))
+    mu = tmap(lambda m, g: b1 * m + (1 - b1) * g.astype(state_dtype), state.mu, updates)
+    inv_use = inv_new if hessian_first else state.inv
+    u = tmap(lambda m, i: (m / bc1 if bias_correct_momentum else m) * i, mu, inv_use)
+    if clip > 0:
+      u = tmap(lambda x: jnp.clip(x, -clip, clip), u)
+    skipped = jnp.zeros([], jnp.int32)
+    if skip_nonfinite:
+      ok = tmap(lambda x, i: jnp.all(jnp.isfinite(x)) & jnp.all(jnp.isfinite(i)), u, inv_new)
+      keep = lambda new, old: tmap(lambda o, n, p: jnp.where(o, n, p), ok, new, old)
+      u = keep(u, tmap(jnp.zeros_like, u))
+      mu, h_new, inv_new = keep(mu, state.mu), keep(h_new, state.h), keep(inv_new, state.inv)
+      skipped = jnp.asarray(sum(jnp.sum(~o) for o in jax.tree.leaves(ok)), jnp.int32)
+    out = tmap(lambda x, g: x.astype(g.dtype), u, updates)
+    return out, ScaleBySophiaState(count_inc, mu, h_new, inv_new, skipped, state.spec, {})
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -351,8 +316,7 @@ def sophia(learning_rate: optax.ScalarOrSchedule, b1: float = 0.965, b2: float =
            **kwargs) -> optax.GradientTransformationExtraArgs:
   """Sophia with decoupled weight decay: theta <- theta (1 - lr wd) - lr clip(m * inv).
 
-  ``kwargs`` go to ``scale_by_sophia`` (``mode`` defaults to ``std``); settings that only the
-  collector needs (``estimator``, ``statistic``, ``count_unit``) are accepted and ignored here.
+  ``kwargs`` are ``scale_by_sophia``'s (unknown names raise ``TypeError``).
   """
   return optax.chain(scale_by_sophia(b1, b2, eps, **kwargs),
                      optax.add_decayed_weights(weight_decay, mask),

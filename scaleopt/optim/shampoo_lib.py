@@ -1,0 +1,596 @@
+"""Shampoo (Gupta et al. 2018; Anil et al. 2020) with the bias corrections of Nayak et al.
+
+For every eligible matrix W (2-D, or a stack of matrices along leading axes as in scanned
+models; min(d1, d2) >= ``min_dim``, max(d1, d2) <= ``max_dim``, not excluded) cut into blocks G_b of at most ``block_size`` x ``block_size`` (dims are split into
+equal blocks, padded with zeros when needed, so every block of a tensor has one shape):
+
+    L_b <- b2 L_b + (1 - b2) G_b G_b^T,   R_b <- b2 R_b + (1 - b2) G_b^T G_b   (every stats_every)
+    L_b + lambda I = Q diag(lam) Q^T,  lam <- max(lam, eig_floor_ratio * lambda)  (every root_every)
+    P_L = Q diag(lam^{-1/4}) Q^T  (P_R alike; cached between root steps)
+    M <- b1 M + (1 - b1) g;   U_b = P_L M_b P_R;   theta <- theta (1 - lr wd) - lr U
+
+All blocks of one factor size, across all tensors, are stacked and decomposed by one batched
+``jnp.linalg.eigh`` in float32 (or by coupled Newton iterations, ``root_method="newton"``,
+batched matmuls) inside ``lax.cond`` on root steps. Other tensors (1-D, embeddings, too large)
+take AdamW (b1 or ``adam_b1``, b2 or ``adam_b2``, eps; bias-corrected moments).
+``graft="adam"`` (the default, as in distributed Shampoo) rescales each block of U to the
+Frobenius norm of the Adam direction m_hat / (sqrt(v_hat) + eps) of that block, so Shampoo takes
+AdamW's learning rate. ``graft="none"`` is the paper's ungrafted form: its per-block update norm
+is set by the factors alone and needs its own learning rate (docs/optim_sophia_shampoo.md).
+
+Bias correction (``mode``; statistics on root steps only, from ``shampoo_collect``):
+
+* ``cf``: M from group A's gradient; S^L_B = (1/m) sum_{j in B} G_j G_j^T (and S^R_B) enter L, R.
+* ``inv`` / ``full``: additionally the eigenvalue-variance correction with the eigenbasis Q of
+  the new L held fixed (first-order eigenvalue perturbation):
+
+      ell_{j,k} = b2 q_k^T L_{t-1} q_k + (1 - b2) ||(Q^T G_j)_{k,:}||^2 + lambda
+      Var_k = Var_j(ell_{j,k}) / m = (1 - b2)^2 Var_j(||(Q^T G_j)_{k,:}||^2) / m
+      d_k = max(0, lam_k^{-1/4} - (5/32) lam_k^{-9/4} Var_k)   (optionally d_k <= d_max)
+      P_L = Q diag(d) Q^T
+
+  The variance needs the *new* Q, so ``shampoo_collect`` uses the paper's two-pass form: pass 1
+  over B accumulates S^L_B, S^R_B; the new L, R are decomposed; pass 2 over B recomputes each
+  G_j and projects it on the new bases (Welford). ``inv`` uses all microbatches as one group.
+
+On steps without a root computation an ``ab`` layout feeds M with all microbatches.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from scaleopt.optim import delta
+from scaleopt.optim.adam_bc import check_choice
+from scaleopt.optim.collect import (BCStats, CollectorSpec, Static, clip_factor, refresh_groups,
+                                    register_bc_state, register_estimator, value_and_grad_fn,
+                                    welford_add, welford_init)
+
+PyTree = Any
+MaskedNode = optax.MaskedNode
+
+MODES = ("std", "cf", "inv", "full")
+CROSSFITS = ("ab", "rolling_b")
+ROOT_METHODS = ("eigh", "newton")
+GRAFTS = ("none", "adam")
+STACKED = ("auto", "none")
+
+
+# ----------------------------------------------------------------------------- blocking
+
+def blocking(shape: tuple[int, ...], block_size: int) -> tuple[int, int, int, int]:
+  """(nb1, bs1, nb2, bs2) of the last two dims: dim d is split into nb = ceil(d / block_size)
+  blocks of size ceil(d / nb) (the last padded with zeros when nb does not divide d)."""
+  out = []
+  for d in shape[-2:]:
+    nb = max(1, math.ceil(d / block_size))
+    out += [nb, math.ceil(d / nb)]
+  return tuple(out)
+
+
+def to_blocks(x: jax.Array, blk) -> jax.Array:
+  """(..., d1, d2) -> (n * nb1 * nb2, bs1, bs2), zero-padded; leading dims (stacked layers)
+  are a batch of n independent matrices."""
+  nb1, bs1, nb2, bs2 = blk
+  d1, d2 = x.shape[-2:]
+  x = x.reshape(-1, d1, d2)
+  x = jnp.pad(x, ((0, 0), (0, nb1 * bs1 - d1), (0, nb2 * bs2 - d2)))
+  n = x.shape[0]
+  return x.reshape(n, nb1, bs1, nb2, bs2).transpose(0, 1, 3, 2, 4).reshape(
+      n * nb1 * nb2, bs1, bs2)
+
+
+def from_blocks(xb: jax.Array, shape, blk) -> jax.Array:
+  """Inverse of ``to_blocks`` (drops the padding)."""
+  nb1, bs1, nb2, bs2 = blk
+  x = xb.reshape(-1, nb1, nb2, bs1, bs2).transpose(0, 1, 3, 2, 4).reshape(
+      -1, nb1 * bs1, nb2 * bs2)
+  return x[:, :shape[-2], :shape[-1]].reshape(shape)
+
+
+def _gram(gb):
+  """Per-block G G^T and G^T G (float32, highest precision)."""
+  hp = jax.lax.Precision.HIGHEST
+  return (jnp.einsum("nij,nkj->nik", gb, gb, precision=hp),
+          jnp.einsum("nji,njk->nik", gb, gb, precision=hp))
+
+
+# ----------------------------------------------------------------------------- roots
+
+def _sym(a):
+  return 0.5 * (a + jnp.swapaxes(a, -1, -2))
+
+
+def eigh_damped(f: jax.Array, damping: float, floor: float):
+  """(lam, Q) of f + damping I (batched over leading axes), lam floored at ``floor``."""
+  eye = jnp.eye(f.shape[-1], dtype=jnp.float32)
+  lam, q = jnp.linalg.eigh(_sym(f.astype(jnp.float32)) + damping * eye)
+  return jnp.maximum(lam, floor), q
+
+
+def root_from_eig(lam, q, var=None, *, correction_scale: float = 1.0, d_max: float = 0.0):
+  """Q diag(d) Q^T with d = lam^{-1/4} (minus (5/32) lam^{-9/4} Var when var is given)."""
+  d = lam ** -0.25 if var is None else delta.inv_fourth_root_corrected(
+      lam, var, scale=correction_scale)
+  if d_max > 0:
+    d = jnp.minimum(d, d_max)
+  hp = jax.lax.Precision.HIGHEST
+  return jnp.matmul(q * d[..., None, :], jnp.swapaxes(q, -1, -2), precision=hp)
+
+
+def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 30):
+  """(f + damping I)^{-1/p} by coupled Newton iterations (Higham 2008, eq. 7.18), batched.
+
+  With A scaled by z = (1 + p) / (2 ||A||_F): M_0 = z A, X_0 = z^{1/p} I, and
+  T_i = ((p + 1) I - M_i) / p,  X_{i+1} = X_i T_i,  M_{i+1} = T_i^p M_i;  X -> A^{-1/p}.
+  Each matrix stops at its smallest error max|M_i - I| seen so far once the error grows
+  (float32 round-off makes the iteration diverge on ill-conditioned inputs, as in
+  google-research's distributed Shampoo).
+  """
+  hp = jax.lax.Precision.HIGHEST
+  n = f.shape[-1]
+  eye = jnp.eye(n, dtype=jnp.float32)
+  a = _sym(f.astype(jnp.float32)) + damping * eye
+  norm = jnp.sqrt(jnp.sum(a * a, axis=(-2, -1), keepdims=True))
+  z = (1.0 + p) / (2.0 * norm)
+  m0 = a * z
+  x0 = jnp.broadcast_to(eye, a.shape) * z ** (1.0 / p)
+  err = lambda m: jnp.max(jnp.abs(m - eye), axis=(-2, -1), keepdims=True)
+
+  def body(_, c):
+    x, m, e, done = c
+    t = ((p + 1.0) * eye - m) / p
+    tp = t
+    for _ in range(p - 1):
+      tp = jnp.matmul(tp, t, precision=hp)
+    x_new, m_new = jnp.matmul(x, t, precision=hp), jnp.matmul(tp, m, precision=hp)
+    e_new = err(m_new)
+    done = done | ~(e_new < e * 1.2) | ~jnp.isfinite(e_new)
+    keep = done
+    return (jnp.where(keep, x, x_new), jnp.where(keep, m, m_new), jnp.where(keep, e, e_new),
+            done)
+
+  done0 = jnp.zeros(norm.shape, bool)
+  x, _, _, _ = jax.lax.fori_loop(0, iters, body, (x0, m0, err(m0), done0))
+  return _sym(x)
+
+
+def _batched_by_size(mats: dict, fn: Callable) -> dict:
+  """Applies ``fn`` to every (n_i, s, s) array, batching all arrays of one size s together
+  (one concatenation, one batched call, one split per size).
+
+  On CPU the calls run one matrix at a time (``lax.map``) and one size after another
+  (``optimization_barrier``): jaxlib's batched CPU LAPACK kernels split a batch over XLA's
+  intra-op thread pool and block on it, and two such kernels in flight at once can take every
+  pool thread and deadlock (seen with jax 0.10.2 on 2 cores). Accelerators keep the batched call.
+  """
+  serial = jax.default_backend() == "cpu"
+  by_size: dict[int, list] = {}
+  for key, a in mats.items():
+    by_size.setdefault(a.shape[-1], []).append(key)
+  out = {}
+  prev = None
+  for s, keys in by_size.items():
+    arrs = [mats[k] for k in keys]
+    sizes = [a.shape[0] for a in arrs]
+    x = jnp.concatenate(arrs, axis=0) if len(arrs) > 1 else arrs[0]
+    if serial:
+      if prev is not None:
+        x, _ = jax.lax.optimization_barrier((x, prev))
+      res = jax.lax.map(lambda a: jax.tree.map(lambda r: r[0], fn(a[None])), x)
+      prev = res
+    else:
+      res = fn(x)
+    offs = [0]
+    for n in sizes:
+      offs.append(offs[-1] + n)
+    for i, k in enumerate(keys):
+      out[k] = jax.tree.map(lambda r: r[offs[i]:offs[i + 1]], res)
+  return out
+
+
+# ----------------------------------------------------------------------------- state
+
+class ShampooFactors(NamedTuple):
+  """Blocked Kronecker factors of one tensor: (n_blocks, bs1, bs1) and (n_blocks, bs2, bs2)."""
+  L: jax.Array
+  R: jax.Array
+  PL: jax.Array
+  PR: jax.Array
+
+
+class ScaleByShampooState(NamedTuple):
+  """count; momentum mu (all tensors); Adam second moment nu (fallback tensors, and all with
+  grafting; scalar zeros elsewhere); factors: {str(leaf index): ShampooFactors} of the eligible
+  tensors (indices in the flattened parameter tree); spec: the ``CollectorSpec``; hp: b2,
+  damping and eig_floor_ratio as arrays (the collector's two-pass eigendecomposition)."""
+  count: jax.Array
+  mu: PyTree
+  nu: PyTree
+  factors: dict
+  spec: Static
+  hp: dict
+
+
+register_bc_state(ScaleByShampooState)
+
+
+class ShampooPrecond(NamedTuple):
+  """``bc_stats.precond`` for Shampoo-BC ({leaf index: array} dicts, blocked).
+
+  stat_L, stat_R: (1/m) sum_{j in B} G_j G_j^T and G_j^T G_j; eig_L, eig_R: (lam, Q) of the
+  new damped factors (two-pass form; None for ``cf``); var_L, var_R: Var_k of the eigenvalue
+  projections (None for ``cf``); root: scalar bool, whether this is a root step.
+  """
+  stat_L: dict
+  stat_R: dict
+  eig_L: Optional[dict]
+  eig_R: Optional[dict]
+  var_L: Optional[dict]
+  var_R: Optional[dict]
+  root: jax.Array
+
+
+def _is_masked(x):
+  return isinstance(x, MaskedNode)
+
+
+def _check_int(name, v, lo=1):
+  if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+    raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
+
+
+# ----------------------------------------------------------------------------- collector
+
+def shampoo_collector_spec(mode: str, crossfit: str, root_every: int,
+                           block_size: int) -> CollectorSpec:
+  """The estimator pass these settings need (``std``: the plain collector)."""
+  check_choice("mode", mode, MODES)
+  check_choice("crossfit", crossfit, CROSSFITS)
+  if mode == "std":
+    return CollectorSpec(layout=None)
+  layout = "all" if mode == "inv" else crossfit
+  opts = (("two_pass", mode in ("inv", "full")), ("block_size", block_size))
+  return CollectorSpec(layout=layout, estimator="shampoo", refresh_every=root_every,
+                       estimator_options=opts, stateful=True)
+
+
+def _blocks_of(g, keys, bs, c=1.0):
+  leaves = jax.tree.leaves(g)
+  return {k: to_blocks(c * leaves[int(k)].astype(jnp.float32),
+                       blocking(leaves[int(k)].shape, bs)) for k in keys}
+
+
+def _eig_variances(grad_fn, params, mbs_b, keys, bs, eig_l, eig_r, b2, c):
+  """Pass 2: Var_k of the projections of c G_j on the new eigenbases (Welford over B)."""
+  hp = jax.lax.Precision.HIGHEST
+  m_b = jax.tree.leaves(mbs_b)[0].shape[0]
+
+  def proj(gb):  # ||(Q_L^T G)_{k,:}||^2 and ||(G Q_R)_{:,k}||^2 per block
+    pl = {k: jnp.sum(jnp.einsum("nik,nij->nkj", eig_l[k][1], gb[k], precision=hp) ** 2, -1)
+          for k in keys}
+    pr = {k: jnp.sum(jnp.einsum("nij,njk->nik", gb[k], eig_r[k][1], precision=hp) ** 2, -2)
+          for k in keys}
+    return pl, pr
+
+  w0 = welford_init(jax.tree.map(lambda lam_q: lam_q[0], (eig_l, eig_r),
+                                 is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
+                                 and not isinstance(x[0], dict)))
+  body = lambda w, mb: (welford_add(w, proj(_blocks_of(grad_fn(params, mb)[2], keys, bs, c))),
+                        None)
+  w, _ = jax.lax.scan(body, w0, mbs_b)
+  den = (1 - b2) ** 2 / (m_b * (m_b - 1))
+  return tuple({k: jnp.maximum(v * den, 0.0) for k, v in side.items()} for side in w.m2)
+
+
+def _factor_pass(grad_fn, params, mbs_b, st, keys, bs, hp, num, clip_of, two_pass):
+  """Pass 1 over B (factor statistics, B's mean gradient and loss), then for the two-pass
+  form the eigendecomposition of the new factors and pass 2. Statistics are of c G_j."""
+  m_b = jax.tree.leaves(mbs_b)[0].shape[0]
+  zero = lambda: {k: (jnp.zeros_like(st.factors[k].L), jnp.zeros_like(st.factors[k].R))
+                  for k in keys}
+
+  def pass1(carry, mb):
+    s, g_sum, l_sum, a_sum = carry
+    loss, aux, g = grad_fn(params, mb)
+    gb = _blocks_of(g, keys, bs)
+    s = {k: tuple(x + y for x, y in zip(s[k], _gram(gb[k]))) for k in keys}
+    g_sum = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_sum, g)
+    return (s, g_sum, l_sum + loss, jax.tree.map(jnp.add, a_sum, aux)), None
+
+  mb0 = jax.tree.map(lambda x: x[0], mbs_b)
+  _, aux_s, g_s = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32),
+                               jax.eval_shape(grad_fn, params, mb0))
+  (s, g_sum, l_sum, a_sum), _ = jax.lax.scan(pass1, (zero(), g_s, jnp.float32(0.0), aux_s),
+                                             mbs_b)
+  g_b = jax.tree.map(lambda x: x / m_b, g_sum)
+  c = clip_of(g_b)
+  sl = {k: (c * c) * s[k][0] / m_b for k in keys}
+  sr = {k: (c * c) * s[k][1] / m_b for k in keys}
+  extra = (g_b, l_sum / m_b, jax.tree.map(lambda x: x / m_b, a_sum))
+  if not two_pass:
+    return ShampooPrecond(sl, sr, None, None, None, None, jnp.bool_(True)), extra
+  b2, damping = hp["b2"], hp["damping"]
+  mats = {**{("L", k): b2 * st.factors[k].L + (1 - b2) * sl[k] for k in keys},
+          **{("R", k): b2 * st.factors[k].R + (1 - b2) * sr[k] for k in keys}}
+  eig = _batched_by_size(mats, lambda f: eigh_damped(f, damping, hp["eig_floor_ratio"] * damping))
+  eig_l, eig_r = ({k: eig[(side, k)] for k in keys} for side in ("L", "R"))
+  var_l, var_r = _eig_variances(grad_fn, params, mbs_b, keys, bs, eig_l, eig_r, b2, c)
+  return ShampooPrecond(sl, sr, eig_l, eig_r, var_l, var_r, jnp.bool_(True)), extra
+
+
+def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: CollectorSpec, found,
+                    *, key=None, logits_fn=None, b_microbatches: PyTree = None,
+                    max_norm=None) -> BCStats:
+  """Numerator gradient plus, on root steps (count % root_every == 0, inside ``lax.cond``),
+  the B-side factor statistics and (``inv``/``full``) the two-pass eigenvalue variances.
+
+  On root steps of the ``ab`` layout ``full`` and ``loss`` cover A and B (pass 1 over B
+  computes B's gradients anyway). A consistent clip uses c from ``full``'s norm and scales
+  the numerator by c, the factor statistics by c^2 and their variances by c^4.
+  """
+  del key, logits_fn
+  f = next(f for f in found if isinstance(f.state, ScaleByShampooState))
+  st, hp, opts = f.state, f.hp, dict(spec.estimator_options)
+  root = (st.count % spec.refresh_every) == 0
+  grad_fn = value_and_grad_fn(loss_fn)
+  (num, loss, aux), mbs_b = refresh_groups(grad_fn, params, microbatches, spec.layout, root,
+                                           b_microbatches)
+  m_b = jax.tree.leaves(mbs_b)[0].shape[0]
+  if opts["two_pass"] and m_b < 2:
+    raise ValueError(f"the eigenvalue-variance correction needs >= 2 microbatches in group B, "
+                     f"got {m_b}")
+  keys, bs = sorted(st.factors), opts["block_size"]
+  for k in keys:
+    shape = jax.tree.leaves(params)[int(k)].shape
+    blk = blocking(shape, bs)
+    if st.factors[k].L.shape != (math.prod(shape[:-2]) * blk[0] * blk[2], blk[1], blk[1]):
+      raise ValueError("shampoo_collect: the optimizer state's blocks do not match the "
+                       "parameters; build the state with tx.init(params)")
+  both = spec.layout == "ab"
+  avg = lambda x, y: jax.tree.map(lambda p, q: 0.5 * (p + q), x, y)
+  full_of = lambda g_b: avg(num, g_b) if both else num
+  clip_of = lambda g_b: (clip_factor(full_of(g_b), max_norm) if max_norm is not None
+                         else jnp.float32(1.0))
+  run = lambda: _factor_pass(grad_fn, params, mbs_b, st, keys, bs, hp, num, clip_of,
+                             opts["two_pass"])
+  skip = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run))
+  pre, (g_b, loss_b, aux_b) = jax.lax.cond(root, run, skip)
+  pre = pre._replace(root=root)
+  use_b = root & both
+  full = jax.tree.map(lambda p, q: jnp.where(use_b, p, q), full_of(g_b), num)
+  loss = jnp.where(use_b, 0.5 * (loss + loss_b), loss)
+  aux = jax.tree.map(lambda p, q: jnp.where(use_b, 0.5 * (p + q), p), aux, aux_b)
+  c = clip_factor(full, max_norm) if max_norm is not None else jnp.float32(1.0)
+  scale = lambda t: jax.tree.map(lambda x: c * x, t)
+  return BCStats(scale(num), scale(full), None, None, None, loss, aux, c, pre)
+
+
+register_estimator("shampoo", shampoo_collect)
+
+
+# ----------------------------------------------------------------------------- transform
+
+def _init(params, exclude, eligible, block_size, graft):
+  leaves, td = jax.tree.flatten(params, is_leaf=_is_masked)
+  ex = exclude(params) if callable(exclude) else exclude
+  excl = [False] * len(leaves) if exclude is None else [bool(e) for e in td.flatten_up_to(ex)]
+  stack_sizes = {p.shape[0] for p in leaves if not _is_masked(p) and jnp.ndim(p) >= 3}
+  factors, nu = {}, []
+  for i, (p, e) in enumerate(zip(leaves, excl)):
+    if _is_masked(p):
+      nu.append(p)
+      continue
+    ok = eligible(p, e, stack_sizes)
+    if ok:
+      nb1, bs1, nb2, bs2 = blocking(p.shape, block_size)
+      n = math.prod(p.shape[:-2]) * nb1 * nb2
+      eye = lambda s: jnp.broadcast_to(jnp.eye(s, dtype=jnp.float32), (n, s, s))
+      factors[str(i)] = ShampooFactors(L=jnp.zeros((n, bs1, bs1), jnp.float32),
+                                       R=jnp.zeros((n, bs2, bs2), jnp.float32),
+                                       PL=eye(bs1), PR=eye(bs2))
+    need_nu = (not ok) or graft == "adam"
+    nu.append(jnp.zeros(jnp.shape(p), jnp.float32) if need_nu else jnp.zeros((), jnp.float32))
+  mu = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+  return mu, jax.tree.unflatten(td, nu), factors
+
+
+def _roots(f, keys, pre, *, root_method, damping, floor, newton_iters, correction_scale,
+           d_max):
+  """New P_L, P_R for every factor (batched over blocks and tensors of one size); with
+  ``pre.eig_L`` (two-pass form) the collector's corrected eigenvalues."""
+  if pre is not None and pre.eig_L is not None:
+    root = lambda eig, var: root_from_eig(*eig, var, correction_scale=correction_scale,
+                                          d_max=d_max)
+    pl = {k: root(pre.eig_L[k], pre.var_L[k]) for k in keys}
+    pr = {k: root(pre.eig_R[k], pre.var_R[k]) for k in keys}
+  else:
+    mats = {**{("L", k): f[k].L for k in keys}, **{("R", k): f[k].R for k in keys}}
+    if root_method == "eigh":
+      fn = lambda x: root_from_eig(*eigh_damped(x, damping, floor), d_max=d_max)
+    else:
+      fn = lambda x: newton_inverse_root(x, damping, 4, newton_iters)
+    out = _batched_by_size(mats, fn)
+    pl, pr = ({k: out[(s, k)] for k in keys} for s in ("L", "R"))
+  ok = lambda new, old: jnp.where(jnp.all(jnp.isfinite(new)), new, old)  # failed root: keep
+  return {k: f[k]._replace(PL=ok(pl[k], f[k].PL), PR=ok(pr[k], f[k].PR)) for k in keys}
+
+
+def _ema_factors(f, keys, sl, sr, b2):
+  return {k: f[k]._replace(L=b2 * f[k].L + (1 - b2) * sl[k], R=b2 * f[k].R + (1 - b2) * sr[k])
+          for k in keys}
+
+
+def _direction(g, mu, nu, f, blk, graft, adam, update_clip_fro):
+  """(u, nu) of one tensor: P_L M P_R (grafted to the Adam norm per block) or Adam."""
+  hp = jax.lax.Precision.HIGHEST
+  bc1, ab2, bc2, eps = adam
+  if f is None or graft == "adam":
+    nu = ab2 * nu + (1 - ab2) * g * g
+    adam_dir = (mu / bc1) / (jnp.sqrt(nu / bc2) + eps)
+  if f is None:
+    return adam_dir, nu
+  ub = jnp.matmul(jnp.matmul(f.PL, to_blocks(mu, blk), precision=hp), f.PR, precision=hp)
+  if graft == "adam":
+    ab = to_blocks(adam_dir, blk)
+    n_u = jnp.sqrt(jnp.sum(ub * ub, axis=(1, 2), keepdims=True))
+    n_a = jnp.sqrt(jnp.sum(ab * ab, axis=(1, 2), keepdims=True))
+    ub = ub * (n_a / jnp.maximum(n_u, 1e-30))
+  u = from_blocks(ub, g.shape, blk)
+  if update_clip_fro > 0:
+    u = u * jnp.minimum(1.0, update_clip_fro / jnp.maximum(jnp.sqrt(jnp.sum(u * u)), 1e-30))
+  return u, nu
+
+
+def scale_by_shampoo(
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    *,
+    block_size: int = 1024,
+    max_dim: int = 8192,
+    min_dim: int = 2,
+    stats_every: int = 1,
+    root_every: int = 10,
+    damping: float = 1e-6,
+    eig_floor_ratio: float = 1e-3,
+    root_method: str = "eigh",
+    newton_iters: int = 30,
+    graft: str = "adam",
+    adam_b1: Optional[float] = None,
+    adam_b2: Optional[float] = None,
+    update_clip_fro: float = 0.0,
+    d_max: float = 0.0,
+    exclude: Optional[Union[PyTree, Callable[[PyTree], PyTree]]] = None,
+    stacked: str = "auto",
+    mode: str = "std",
+    crossfit: str = "ab",
+    correction_scale: float = 1.0,
+) -> optax.GradientTransformationExtraArgs:
+  """Shampoo's scaling with an AdamW fallback; see the module docstring.
+
+  ``update(g, state, params, *, bc_stats=None)``: ``std`` works on the gradient alone (factor
+  statistics G G^T of the step's mean gradient); ``cf``/``inv``/``full`` need ``bc_stats``
+  from ``scaleopt.optim.collect`` (which reads root_every, block_size, b2, damping and
+  eig_floor_ratio from this transform's state).
+
+  Args:
+    b1: momentum M of preconditioned tensors (and of fallback tensors unless ``adam_b1``).
+    b2: factor EMA rate (and Adam's b2 unless ``adam_b2`` is given).
+    eps: Adam's epsilon (fallback and grafting).
+    block_size, max_dim, min_dim: blocking and eligibility (see module docstring).
+    stats_every, root_every: statistics and root frequencies (BC modes take statistics on root
+      steps only, from group B).
+    damping, eig_floor_ratio: lambda and the eigenvalue floor eig_floor_ratio * lambda.
+    root_method: ``eigh`` (float32) or ``newton`` (coupled Newton, ``newton_iters``; std/cf).
+    graft: ``adam`` (default; per-block Frobenius norm of the Adam direction) or ``none``.
+    adam_b1, adam_b2: the fallback AdamW's rates (the reference code's separate betas).
+    update_clip_fro: if > 0, scale each preconditioned tensor's U to Frobenius norm <= c.
+    d_max: if > 0, clip corrected roots at d_max.
+    exclude: pytree of bools or callable params -> pytree; True keeps a matrix on AdamW.
+    stacked: ``auto``: a tensor of rank >= 3 is a stack of matrices (its last two dims), and
+      a rank-2 tensor whose first dim equals the leading dim of a rank >= 3 tensor is a stack
+      of vectors (AdamW); ``none``: only rank-2 tensors are matrices.
+    mode: ``std|cf|inv|full``; crossfit: ``ab`` or ``rolling_b``.
+    correction_scale: multiplies the (5/32) lam^{-9/4} Var term.
+  """
+  spec = shampoo_collector_spec(mode, crossfit, root_every, block_size)
+  check_choice("root_method", root_method, ROOT_METHODS)
+  check_choice("graft", graft, GRAFTS)
+  check_choice("stacked", stacked, STACKED)
+  for n, v in (("block_size", block_size), ("stats_every", stats_every),
+               ("root_every", root_every), ("max_dim", max_dim), ("newton_iters", newton_iters)):
+    _check_int(n, v)
+  if mode in ("inv", "full") and root_method != "eigh":
+    raise ValueError(f"mode={mode!r} corrects eigenvalues; root_method must be 'eigh'")
+  if isinstance(damping, (int, float)) and not damping > 0:
+    raise ValueError(f"damping={damping!r} must be > 0")
+  ab1 = b1 if adam_b1 is None else adam_b1
+  ab2 = b2 if adam_b2 is None else adam_b2
+  hp = lambda: {k: jnp.asarray(v, jnp.float32) for k, v in
+                (("b2", b2), ("damping", damping), ("eig_floor_ratio", eig_floor_ratio))}
+  root_kw = dict(root_method=root_method, damping=damping, floor=eig_floor_ratio * damping,
+                 newton_iters=newton_iters, correction_scale=correction_scale, d_max=d_max)
+
+  def eligible(x, excl, stack_sizes) -> bool:
+    nd = jnp.ndim(x)
+    if excl or nd < 2 or (nd > 2 and stacked == "none"):
+      return False
+    if nd == 2 and stacked == "auto" and x.shape[0] in stack_sizes:
+      return False  # a stack of vectors (e.g. per-layer norm scales)
+    return min(x.shape[-2:]) >= min_dim and max(x.shape[-2:]) <= max_dim
+
+  def init_fn(params):
+    mu, nu, factors = _init(params, exclude, eligible, block_size, graft)
+    return ScaleByShampooState(jnp.zeros([], jnp.int32), mu, nu, factors, Static(spec), hp())
+
+  def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
+    del params
+    pre = None
+    if mode != "std":
+      if bc_stats is None or not isinstance(bc_stats.precond, ShampooPrecond):
+        raise ValueError(f"scale_by_shampoo(mode={mode!r}) needs bc_stats from "
+                         "scaleopt.optim.collect")
+      pre = bc_stats.precond
+    count, count_inc = state.count, optax.safe_increment(state.count)
+    orig_l, td = jax.tree.flatten(updates, is_leaf=_is_masked)
+    g_l = [g if _is_masked(g) else g.astype(jnp.float32) for g in orig_l]
+    mu_l, nu_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
+    keys = sorted(state.factors)
+    blk = {k: blocking(g_l[int(k)].shape, block_size) for k in keys}
+    fac = state.factors
+    if mode == "std":  # statistics of the step's gradient every stats_every steps
+      gram = {k: _gram(to_blocks(g_l[int(k)], blk[k])) for k in keys}
+      fac = jax.lax.cond(count % stats_every == 0, lambda f: _ema_factors(
+          f, keys, {k: v[0] for k, v in gram.items()}, {k: v[1] for k, v in gram.items()}, b2),
+          lambda f: f, fac)
+      is_root = count % root_every == 0
+    else:  # BC: B's statistics enter on root steps
+      is_root = pre.root
+    do_roots = lambda f: _roots(f if mode == "std" else _ema_factors(
+        f, keys, pre.stat_L, pre.stat_R, b2), keys, pre, **root_kw)
+    if keys:
+      fac = jax.lax.cond(is_root, do_roots, lambda f: f, fac)
+    t = count_inc.astype(jnp.float32)
+    out_u, out_mu, out_nu = list(g_l), list(mu_l), list(nu_l)
+    for i, g in enumerate(g_l):
+      if _is_masked(g):
+        continue
+      f = fac.get(str(i))
+      b1_i = b1 if f is not None else ab1
+      out_mu[i] = b1_i * mu_l[i] + (1 - b1_i) * g
+      adam = (1.0 - b1_i ** t, ab2, 1.0 - ab2 ** t, eps)
+      u, out_nu[i] = _direction(g, out_mu[i], nu_l[i], f, blk.get(str(i)), graft, adam,
+                                update_clip_fro)
+      out_u[i] = u.astype(orig_l[i].dtype)
+    un = lambda l: jax.tree.unflatten(td, l)
+    return un(out_u), ScaleByShampooState(count_inc, un(out_mu), un(out_nu), fac, state.spec,
+                                          hp())
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def shampoo(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.95,
+            eps: float = 1e-8, weight_decay: float = 0.1, *,
+            mask: Optional[Union[PyTree, Callable[[PyTree], PyTree]]] = None,
+            **kwargs) -> optax.GradientTransformationExtraArgs:
+  """Shampoo with decoupled weight decay: theta <- theta (1 - lr wd) - lr U.
+
+  Grafted to Adam's per-block norm by default (AdamW's learning rate applies); ``kwargs`` are
+  ``scale_by_shampoo``'s (unknown names raise ``TypeError``).
+  """
+  return optax.chain(scale_by_shampoo(b1, b2, eps, **kwargs),
+                     optax.add_decayed_weights(weight_decay, mask),
+                     optax.scale_by_learning_rate(learning_rate))
+
+
+def shampoo_bc(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.95,
+               eps: float = 1e-8, weight_decay: float = 0.1, *, mode: str = "full",
+               **kwargs) -> optax.GradientTransformationExtraArgs:
+  """``shampoo`` with ``mode="full"`` (cross-fit + eigenvalue-variance correction) by default."""
+  return shampoo(learning_rate, b1, b2, eps, weight_decay, mode=mode, **kwargs)
