@@ -57,11 +57,13 @@ def _lr_step(state: TrainState) -> jax.Array:
 
 def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
                     schedule: Callable) -> Callable:
-  """``step(state, batch) -> (state, metrics)``; batch = {"tokens"[, "b_tokens"]}."""
+  """``step(state, batch) -> (state, metrics)``; batch = {"tokens"[, "b_tokens"]}.
+
+  ``spec`` (the data layout) is not needed here: ``collect`` reads it from the state."""
+  del spec
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng, key = jax.random.split(state.rng)
-    del spec  # what to collect is read from the optimizer state
     stats = optim.collect(model.loss_fn, state.params, batch["tokens"], state.opt_state,
                           key=key, logits_fn=model.logits_fn,
                           b_microbatches=batch.get("b_tokens"))
