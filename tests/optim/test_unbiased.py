@@ -95,14 +95,19 @@ def _reg():
   return params, mbs, loss
 
 
-def _steps(tx, params, mbs, loss, n=3, edit=None):
+def _steps(tx, params, mbs, loss, n=2, edit=None):
   st = tx.init(params)
   if edit:
     st = edit(st)
-  for _ in range(n):
+
+  @jax.jit
+  def step(params, st):
     stats = so.collect(loss, params, mbs, st)
     u, st = tx.update(stats.numerator, st, params, bc_stats=stats)
-    params = optax.apply_updates(params, u)
+    return optax.apply_updates(params, u), st
+
+  for _ in range(n):  # v_hat at t = 1 does not depend on b2; t = 2 does
+    params, st = step(params, st)
   return params
 
 
