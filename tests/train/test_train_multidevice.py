@@ -52,7 +52,7 @@ def _configs():
   adamw = tiny_raw(**common, mesh={"data": 4, "fsdp": 2})
   bc = tiny_raw(**common, mesh={"data": 2, "fsdp": 4},
                 optimizer={"name": "adamw_bc",
-                           "extra": {"mode": "full", "crossfit": "ab", "rolling_b": True}})
+                           "extra": {"mode": "full", "crossfit": "rolling_b"}})
   bad = tiny_raw(data={"batch_size": 12, "microbatches": 2}, mesh={"data": 8})
   return {"adamw": adamw, "adamw_bc": bc, "bad_batch": bad}
 
