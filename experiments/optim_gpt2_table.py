@@ -25,21 +25,21 @@ import jax
 # (label, optimizer section, microbatches per group, steps factor, relative cost)
 ARMS = [
     ("adamw", {"name": "adamw", "learning_rate": 3e-4}, 1, 1.0, 1.0),
-    ("adamw_bc full LOO", {"name": "adamw_bc", "learning_rate": 3e-4,
-                           "extra": {"mode": "full", "crossfit": "loo"}}, 8, 1.0, 2.0),
     ("adamw_bc full A/B", {"name": "adamw_bc", "learning_rate": 3e-4,
                            "extra": {"mode": "full", "crossfit": "ab"}}, 8, 1.0, 2.0),
+    ("adamw_bc full LOO", {"name": "adamw_bc", "learning_rate": 3e-4,
+                           "extra": {"mode": "full", "crossfit": "loo"}}, 8, 1.0, 2.0),
     ("adamw_bc full A/B, numerator-only clip (reference)",
      {"name": "adamw_bc", "learning_rate": 3e-4, "clip_numerator_only": True,
       "extra": {"mode": "full", "crossfit": "ab"}}, 8, 1.0, 2.0),
+    ("adamw_bc cf A/B", {"name": "adamw_bc", "learning_rate": 3e-4,
+                         "extra": {"mode": "cf", "crossfit": "ab"}}, 8, 1.0, 2.0),
     ("shampoo graft=adam (150 steps)", {"name": "shampoo", "learning_rate": 6e-4,
                                         "extra": {"block_size": 512, "graft": "adam"}},
      1, 0.5, 0.7),
     ("shampoo graft=none (150 steps)", {"name": "shampoo", "learning_rate": 6e-4,
                                         "extra": {"block_size": 512, "graft": "none"}},
      1, 0.5, 0.7),
-    ("adamw_bc cf A/B", {"name": "adamw_bc", "learning_rate": 3e-4,
-                         "extra": {"mode": "cf", "crossfit": "ab"}}, 8, 1.0, 2.0),
 ]
 
 
@@ -54,7 +54,7 @@ def raw_config(opt: dict, m: int, steps: int, quick: bool) -> dict:
           if quick else {"source": "embedded", "seq_len": 1024, "batch_size": 32,
                          "microbatches": m})
   return {"run": {"seed": 0, "steps": steps, "log_every": max(steps // 6, 1),
-                  "eval_every": steps, "eval_batches": 2 if quick else 8,
+                  "eval_every": steps, "eval_batches": 2 if quick else 4,
                   "checkpoint_every": 0, "progress": False, "tensorboard": False,
                   "plot": False},
           "model": model, "data": data, "optimizer": opt, "mesh": {"data": -1}}
