@@ -12,8 +12,8 @@ training run: arm, the size value, lr, seed, status, val_loss, test_loss, ... Fo
              once on the other split and not redone per resample), plus the fit-window report.
 
 When the size needs several keys at once (d_model with n_heads and d_ff), make each (optimizer,
-width) an arm named `<arm><sep><size>` (e.g. `muon@256`) and pass `arm_sep="@"`: the size is
-then read from the arm name instead of a grid column.
+width) an arm named `<arm><sep><size>` (e.g. `muon+256`: arm names allow letters, digits and
+_ . + -) and pass `arm_sep="+"`: the size is then read from the arm name, not a grid column.
 
 N is `n_of(size value)`, e.g. non-embedding parameters from `scaleopt.models.count_params`
 (default: the size value itself; alpha in width and alpha in parameters differ by the exponent

@@ -56,12 +56,12 @@ def test_size_from_arm_names(tmp_path):
   _write(tmp_path / "results.csv", {"adamw": 0.3}, np.random.default_rng(2))
   rows = list(csv.DictReader((tmp_path / "results.csv").open()))
   for r in rows:
-    r["arm"] = f"{r['arm']}@{r.pop('model.d_model')}"
+    r["arm"] = f"{r['arm']}+{r.pop('model.d_model')}"
   with (tmp_path / "arms.csv").open("w", newline="") as fh:
     w = csv.DictWriter(fh, fieldnames=list(rows[0]))
     w.writeheader()
     w.writerows(rows)
-  a = lm_alpha.study_alpha(tmp_path / "arms.csv", "width", arm_sep="@", bootstrap=50)
+  a = lm_alpha.study_alpha(tmp_path / "arms.csv", "width", arm_sep="+", bootstrap=50)
   b = lm_alpha.study_alpha(tmp_path / "results.csv", "model.d_model", bootstrap=50)
   assert [r["arm"] for r in a] == ["adamw"]
   assert a[0]["alpha"] == pytest.approx(b[0]["alpha"], rel=1e-12) and a[0]["n"] == b[0]["n"]
