@@ -86,10 +86,15 @@ def test_window_report_against_polyfit():
   ref = [-np.polyfit(x[i:i + 3], y[i:i + 3], 1)[0] for i in range(4)]
   np.testing.assert_allclose(wr.slopes, ref, rtol=1e-12)
   np.testing.assert_allclose(wr.slopes[[0, 2, 3]], [0.2, 0.8, 0.8], rtol=1e-12)
-  assert wr.alpha_drop_first == pytest.approx(-np.polyfit(x[2:], y[2:], 1)[0], rel=1e-12)
-  assert wr.alpha_drop_last == pytest.approx(-np.polyfit(x[1:5], y[1:5], 1)[0], rel=1e-12)
-  subs = [-np.polyfit(x[a:b], y[a:b], 1)[0] for a in range(1, 6) for b in range(a + 3, 7)]
-  assert (wr.alpha_win_min, wr.alpha_win_max) == pytest.approx((min(subs), max(subs)))
+  # a smoothly curved log-log curve: every sub-window has its own slope
+  curved = np.exp(-0.3 * x - 0.05 * x ** 2)
+  wc = fit.window_report(n, curved, mask, width=3)
+  yc = np.log(curved)
+  assert wc.alpha_drop_first == pytest.approx(-np.polyfit(x[2:], yc[2:], 1)[0], rel=1e-12)
+  assert wc.alpha_drop_last == pytest.approx(-np.polyfit(x[1:5], yc[1:5], 1)[0], rel=1e-12)
+  subs = [-np.polyfit(x[a:b], yc[a:b], 1)[0] for a in range(1, 6) for b in range(a + 3, 7)]
+  assert (wc.alpha_win_min, wc.alpha_win_max) == pytest.approx((min(subs), max(subs)),
+                                                               rel=1e-12)
   flat = fit.window_report(n, 2.0 * n ** -0.5, mask)
   np.testing.assert_allclose([*flat.slopes, flat.alpha_drop_first, flat.alpha_drop_last], 0.5)
 
