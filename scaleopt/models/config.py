@@ -108,6 +108,10 @@ class ModelConfig:
   # LM-head matmul output dtype before the cast to float32 logits. False (MaxText's default):
   # bf16 dot, then float32 (10% faster for gpt2-small on H200); True: float32 dot output.
   logits_dot_in_fp32: bool = False
+  # Training loss: fused LM head + cross-entropy without float32 logits (models/loss.py);
+  # loss_chunks > 1 slices the sequence axis (less memory, one more head matmul).
+  fused_loss: bool = True
+  loss_chunks: int = 1
 
   # --- derived -------------------------------------------------------------------------
   @property
@@ -146,7 +150,8 @@ class ModelConfig:
   def validate(self) -> "ModelConfig":
     """Raises ValueError naming the bad field and the allowed values; returns self."""
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                 "rope_theta", "norm_eps", "init_std", "max_seq_len", "scan_unroll"):
+                 "rope_theta", "norm_eps", "init_std", "max_seq_len", "scan_unroll",
+                 "loss_chunks"):
       _check_positive(name, getattr(self, name))
     if self.head_dim is not None:
       _check_positive("head_dim", self.head_dim)

@@ -20,12 +20,14 @@ norms, DNP scales that feed attention logits or SiLU; not foldable), ``kernel``,
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from scaleopt.models import sharding
 from scaleopt.models.config import ModelConfig
 
 f32 = jnp.float32
@@ -129,6 +131,36 @@ def apply_rope(x_BxTxHxK: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Arra
 
 
 # ---------------------------------------------------------------------------------------------
+# Column-parallel projections sharing one input.
+
+
+def _fused_projections(x: jax.Array, kernels: list[jax.Array], biases: list[jax.Array] | None,
+                       spec: str) -> list[jax.Array]:
+  """``[x W_1 (+ b_1), x W_2 (+ b_2), ...]`` for float32 kernels ``[..., d, out_i]``.
+
+  One matmul on the concatenated kernel, except under tensor parallelism, where each kernel
+  is split over ``tensor`` on its own output axis and a concatenation would mix the shards
+  (then one matmul per kernel). Kernels are cast to ``x.dtype`` before they are gathered.
+  """
+  dt = x.dtype
+  lead = (None,) * (kernels[0].ndim - 2)
+  out_spec = ("batch",) + (None,) * (x.ndim - 2) + ("tensor",)
+  if sharding.tensor_parallel():
+    ys = [jnp.einsum(spec, x, sharding.use_kernel(w.astype(dt), (*lead, "fsdp", "tensor")))
+          for w in kernels]
+    if biases is not None:
+      ys = [y + b.astype(dt) for y, b in zip(ys, biases)]
+    return [sharding.constrain(y, out_spec) for y in ys]
+  w = sharding.use_kernel(jnp.concatenate(kernels, axis=-1).astype(dt), (*lead, "fsdp", None))
+  y = jnp.einsum(spec, x, w)
+  if biases is not None:
+    y = y + jnp.concatenate(biases, axis=-1).astype(dt)
+  y = sharding.constrain(y, out_spec[:-1] + (None,))
+  splits = list(itertools.accumulate(k.shape[-1] for k in kernels))[:-1]
+  return jnp.split(y, splits, axis=-1)
+
+
+# ---------------------------------------------------------------------------------------------
 # Attention.
 
 
@@ -222,14 +254,11 @@ class Attention(nnx.Module):
       bias = _bias(lin)
       if bias is not None:
         biases.append(bias if row is None else bias * row)
-    w_Dx3 = jnp.concatenate(kernels, axis=-1).astype(dt)
-    qkv = jnp.einsum("btd,de->bte", n_BxTxD, w_Dx3)
-    if biases:
-      qkv = qkv + jnp.concatenate(biases, axis=-1).astype(dt)
-    q, k, v = jnp.split(qkv, [h * dh, (h + kv) * dh], axis=-1)
-    q = q.reshape(b_, t_, h, dh)
-    k = k.reshape(b_, t_, kv, dh)
-    v = v.reshape(b_, t_, kv, dh)
+    q, k, v = _fused_projections(n_BxTxD, kernels, biases or None, "btd,de->bte")
+    heads_spec = ("batch", None, "tensor", None)
+    q = sharding.constrain(q.reshape(b_, t_, h, dh), heads_spec)
+    k = sharding.constrain(k.reshape(b_, t_, kv, dh), heads_spec)
+    v = sharding.constrain(v.reshape(b_, t_, kv, dh), heads_spec)
     heads = {"q": h, "k": kv, "v": kv}
     if cfg.dual == "dnp":
       out = []
@@ -243,7 +272,8 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
     o = causal_attention(q, k, v, attention_impl(cfg, dt), strict=cfg.attention_impl == "cudnn")
     o = o.reshape(b_, t_, h * dh)
-    return jnp.einsum("bte,ed->btd", o, self.wo.kernel[...].astype(dt))
+    wo = sharding.use_kernel(self.wo.kernel[...].astype(dt), ("tensor", "fsdp"))
+    return sharding.constrain(jnp.einsum("bte,ed->btd", o, wo), ("batch", None, None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,10 +314,9 @@ class GatedMLP(nnx.Module):
     for b, lin in (("gate", self.wgate), ("up", self.wup)):
       col = _input_scale(self, cfg, b, shared)
       kernels.append(effective_kernel(lin.kernel[...], col, get_scale(self, f"row_scale_{b}")))
-    w = jnp.concatenate(kernels, axis=-1).astype(dt)
     spec_in, spec_out = (("becd,edf->becf", "becf,efd->becd") if self.stacked
                          else ("btd,df->btf", "btf,fd->btd"))
-    g, u = jnp.split(jnp.einsum(spec_in, x, w), 2, axis=-1)
+    g, u = _fused_projections(x, kernels, None, spec_in)
     if cfg.dual == "dnp":
       ug, uu = _dnp_scale(self, "gate"), _dnp_scale(self, "up")
       if self.stacked:  # [E, F] -> [E, 1, F] against [B, E, C, F]
@@ -295,5 +324,8 @@ class GatedMLP(nnx.Module):
         uu = None if uu is None else uu[:, None, :]
       g = g if ug is None else rms_norm(g, cfg.norm_eps, ug)
       u = u if uu is None else rms_norm(u, cfg.norm_eps, uu)
-    a = jax.nn.silu(g) * u
-    return jnp.einsum(spec_out, a, self.wdown.kernel[...].astype(dt))
+    lead = (None,) * (x.ndim - 2)
+    a = sharding.constrain(jax.nn.silu(g) * u, ("batch", *lead, "tensor"))
+    w_down = self.wdown.kernel[...].astype(dt)
+    w_down = sharding.use_kernel(w_down, (None,) * (w_down.ndim - 2) + ("tensor", "fsdp"))
+    return sharding.constrain(jnp.einsum(spec_out, a, w_down), ("batch", *lead, None))

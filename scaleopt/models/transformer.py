@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from scaleopt.models import sharding
 from scaleopt.models.config import ModelConfig
+from scaleopt.models.loss import head_loss
 from scaleopt.models.layers import (Attention, GatedMLP, Linear, Scale, effective_kernel,
                                     get_scale, rms_norm, rope_tables)
 from scaleopt.models.moe import MoE
@@ -121,16 +123,38 @@ class Transformer(nnx.Module):
       self.head = Linear(cfg.d_model, cfg.vocab_size, std=cfg.init_std, rngs=rngs)
 
   def __call__(self, tokens_BxT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    h, w_DxV, aux = self.features(tokens_BxT)
+    pref = f32 if self.cfg.logits_dot_in_fp32 else h.dtype
+    logits = jnp.einsum("btd,dv->btv", h, w_DxV, preferred_element_type=pref)
+    return sharding.constrain(logits.astype(f32), ("batch", None, "tensor")), aux
+
+  def loss(self, tokens_BxT: jax.Array, targets_BxT: jax.Array,
+           mask_BxT: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(mean next-token cross-entropy, aux) without float32 logits when ``cfg.fused_loss``
+    (:func:`scaleopt.models.loss.head_loss`, ``cfg.loss_chunks`` slices); else
+    ``lm_loss(self(tokens))``. Both compute the same function."""
+    cfg = self.cfg
+    if not cfg.fused_loss or cfg.logits_dot_in_fp32:
+      logits, aux = self(tokens_BxT)
+      return lm_loss(logits, targets_BxT, mask_BxT), aux
+    h, w_DxV, aux = self.features(tokens_BxT)
+    return head_loss(h, w_DxV, targets_BxT, mask_BxT, cfg.loss_chunks), aux
+
+  def features(self, tokens_BxT: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+    """(final normed hidden states [B, T, d] and LM head [d, V], both in the compute dtype,
+    head gathered for use; aux): ``logits = h W``."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     emb = self.embed.embedding[...]
-    x = jnp.take(emb, tokens_BxT, axis=0).astype(dt)
+    act = ("batch", None, None)
+    x = sharding.constrain(jnp.take(emb, tokens_BxT, axis=0).astype(dt), act)
     sin, cos = rope_tables(tokens_BxT.shape[1], cfg.d_head, cfg.rope_theta)
 
     graphdef, state = nnx.split(self.blocks)
 
     def body(x, unit_state):
-      return nnx.merge(graphdef, unit_state)(x, sin, cos)
+      x, aux = nnx.merge(graphdef, unit_state)(sharding.constrain(x, act), sin, cos)
+      return sharding.constrain(x, act), aux
 
     if cfg.remat != "none":
       body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
@@ -141,11 +165,8 @@ class Transformer(nnx.Module):
     if name is not None:
       gamma = get_scale(self, name)
     w_DxV = emb.T if cfg.tie_embeddings else self.head.kernel[...]
-    w_DxV = effective_kernel(w_DxV, gamma).astype(dt)
-    logits = jnp.einsum("btd,dv->btv", rms_norm(x, cfg.norm_eps), w_DxV,
-                        preferred_element_type=f32 if cfg.logits_dot_in_fp32 else dt)
-    logits = logits.astype(f32)
-    return logits, _reduce_aux(cfg, aux)
+    w_DxV = sharding.use_kernel(effective_kernel(w_DxV, gamma).astype(dt), ("fsdp", "tensor"))
+    return rms_norm(x, cfg.norm_eps), w_DxV, _reduce_aux(cfg, aux)
 
 
 def _reduce_aux(cfg: ModelConfig, aux: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -185,6 +206,19 @@ def functional(cfg: ModelConfig) -> tuple[Callable[[jax.Array], Params],
     return nnx.merge(graphdef, params)(tokens_BxT)
 
   return init_fn, apply_fn
+
+
+def functional_loss(cfg: ModelConfig) -> Callable[..., tuple[jax.Array, dict]]:
+  """``loss_fn(params, tokens_BxT, targets_BxT, mask_BxT=None) -> (mean CE, aux)``: the
+  pure form of :meth:`Transformer.loss` (fused head + cross-entropy by default)."""
+  cfg.validate()
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+
+  def loss_fn(params: Params, tokens_BxT: jax.Array, targets_BxT: jax.Array,
+              mask_BxT: jax.Array | None = None):
+    return nnx.merge(graphdef, params).loss(tokens_BxT, targets_BxT, mask_BxT)
+
+  return loss_fn
 
 
 def lm_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array,

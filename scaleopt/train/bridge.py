@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -60,16 +60,33 @@ def passes_per_step(spec: CollectorSpec) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Model:
+  """The model's functions; with ``mesh`` set they trace under ``models.sharding.constraints``
+  (FSDP / tensor-parallel activation and kernel layouts, see ``scaleopt.models.sharding``)."""
   cfg: models.ModelConfig
   init: Callable
-  apply: Callable
+  apply: Callable  # (params, tokens) -> (logits float32, aux)
   wd_policy: str
   init_from: str | None = None  # a parameter source (scaleopt.train.convert) for fresh runs
+  mesh: Any = None
+  # (params, tokens, targets) -> (mean CE, aux) without float32 logits (models.functional_loss);
+  # None: lm_loss on ``apply``'s logits.
+  loss_apply: Optional[Callable] = None
+
+  def with_mesh(self, mesh) -> "Model":
+    return dataclasses.replace(self, mesh=mesh)
 
   def loss_fn(self, params, tokens_BxT1):
     """(params, tokens [B, T+1]) -> (loss, aux): next-token CE (+ MoE aux loss)."""
-    logits, aux = self.apply(params, tokens_BxT1[:, :-1])
-    ce = models.lm_loss(logits, tokens_BxT1[:, 1:])
+    with models.sharding.constraints(self.mesh):
+      return self._loss(params, tokens_BxT1)
+
+  def _loss(self, params, tokens_BxT1):
+    inputs, targets = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
+    if self.loss_apply is not None:
+      ce, aux = self.loss_apply(params, inputs, targets)
+    else:
+      logits, aux = self.apply(params, inputs)
+      ce = models.lm_loss(logits, targets)
     out = {"ce": ce}
     loss = ce
     if self.cfg.is_moe and "moe_aux_loss" in aux:
@@ -79,13 +96,14 @@ class Model:
 
   def logits_fn(self, params, tokens_BxT1):
     """(params, mb) -> (logits, mask) for Sophia's sampled-label (GNB) pass."""
-    logits, _ = self.apply(params, tokens_BxT1[:, :-1])
+    with models.sharding.constraints(self.mesh):
+      logits, _ = self.apply(params, tokens_BxT1[:, :-1])
     return logits, jnp.ones(tokens_BxT1[:, 1:].shape, jnp.float32)
 
 
 def make_model(section: dict) -> Model:
   cfg = model_config(section)
   init, apply = models.functional(cfg)
-  return Model(cfg=cfg, init=init, apply=apply,
+  return Model(cfg=cfg, init=init, apply=apply, loss_apply=models.functional_loss(cfg),
                wd_policy=section.get("wd_policy", "matrices-only"),
                init_from=section.get("init_from"))

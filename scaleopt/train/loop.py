@@ -143,6 +143,7 @@ def setup(cfg: TrainConfig) -> Setup:
                       f"model.vocab_size={model.cfg.vocab_size}; set model.vocab_size >= {vocab}")
   mesh = mesh_lib.make_mesh(cfg.mesh)
   mesh_lib.check_batch(mesh, d.batch_size, d.microbatches)
+  model = model.with_mesh(mesh)
   if spec.layout == "loo" and d.microbatches < 2:
     raise ConfigError("optimizer layout 'loo' needs data.microbatches >= 2")
   if spec.layout in ("ab", "symmetric") and spec.var_of is not None and d.microbatches < 2:

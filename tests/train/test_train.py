@@ -152,7 +152,7 @@ def test_nonfinite_steps_are_skipped_then_run_stops(tmp_path):
     logits, aux = base_apply(params, tokens)
     return logits * jnp.nan, aux
 
-  s.model = dataclasses.replace(s.model, apply=nan_apply)
+  s.model = dataclasses.replace(s.model, apply=nan_apply, loss_apply=None)
   with pytest.raises(loop.SkipLimit, match="3 consecutive"):
     loop.train(cfg, tmp_path, s=s)
   rows = _rows(tmp_path)
@@ -229,7 +229,7 @@ def hung_apply(params, tokens):  # a device computation that never finishes
   tokens = jax.pure_callback(stuck, jax.ShapeDtypeStruct(tokens.shape, tokens.dtype), tokens)
   return base(params, tokens)
 
-s.model = dataclasses.replace(s.model, apply=hung_apply)
+s.model = dataclasses.replace(s.model, apply=hung_apply, loss_apply=None)
 print("ready", flush=True)
 loop.train(cfg, sys.argv[2], s=s)
 """

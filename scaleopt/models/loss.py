@@ -1,0 +1,127 @@
+"""Fused LM head + cross-entropy: no float32 ``[tokens, vocab]`` array, forward or backward.
+
+For hidden states h (``[B, T, d]``, compute dtype; n indexes the B T tokens), head W
+(``[d, V]``) and targets y:
+
+  z_n    = h_n W                                  (compute dtype, e.g. bf16)
+  lse_n  = m_n + log sum_v exp(z_nv - m_n),  m_n = max_v z_nv      (float32 arithmetic)
+  nll_n  = lse_n - z_{n, y_n}
+
+and for a cotangent c_n of nll_n (the mean loss gives c_n = mask_n / sum(mask)):
+
+  dz_nv  = c_n (exp(z_nv - lse_n) - [v = y_n])     (float32 arithmetic, stored in the
+                                                    compute dtype)
+  dh     = dz W^T,   dW = h^T dz
+
+Plain autodiff of ``logsumexp(z.astype(f32))`` keeps ``exp(z - m)`` in float32 as a residual
+and scatters the one-hot target gradient into another float32 ``[N, V]`` buffer. Here the
+residuals are the compute-dtype logits and lse (``chunks=1``), or only h, W and lse
+(``chunks > 1``: the sequence axis is processed in ``chunks`` slices under ``lax.map`` and
+each slice's logits are recomputed in the backward pass, so at most ``B T / chunks x V``
+logits exist at a time, at the price of one more head matmul).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from scaleopt.models import sharding
+
+f32 = jnp.float32
+
+
+def _lse_nll(z: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+  z32 = z.astype(f32)
+  m = jax.lax.stop_gradient(jnp.max(z32, axis=-1, keepdims=True))
+  lse = jnp.log(jnp.sum(jnp.exp(z32 - m), axis=-1)) + m[..., 0]
+  zy = jnp.take_along_axis(z32, y[..., None], axis=-1)[..., 0]
+  return lse, lse - zy
+
+
+def _dlogits(z: jax.Array, lse: jax.Array, y: jax.Array, c: jax.Array) -> jax.Array:
+  v = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
+  p = jnp.exp(z.astype(f32) - lse[..., None])
+  return (c[..., None] * (p - (v == y[..., None]).astype(f32))).astype(z.dtype)
+
+
+def _logits(h: jax.Array, w: jax.Array) -> jax.Array:
+  return sharding.constrain(jnp.einsum("btd,dv->btv", h, w), ("batch", None, "tensor"))
+
+
+def _chunked(x: jax.Array, chunks: int) -> jax.Array:
+  """``[B, T, ...] -> [chunks, B, T / chunks, ...]`` (slices of the sequence axis, so the
+  batch axis keeps its sharding)."""
+  b, t = x.shape[:2]
+  return jnp.swapaxes(x.reshape(b, chunks, t // chunks, *x.shape[2:]), 0, 1)
+
+
+def _unchunked(x: jax.Array) -> jax.Array:
+  c, b, tc = x.shape[:3]
+  return jnp.swapaxes(x, 0, 1).reshape(b, c * tc, *x.shape[3:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _nll(h, w, y, chunks):
+  return _nll_fwd(h, w, y, chunks)[0]
+
+
+def _nll_fwd(h, w, y, chunks):
+  if chunks == 1:
+    z = _logits(h, w)
+    lse, nll = _lse_nll(z, y)
+    return nll, (h, w, y, z, lse)
+  lse, nll = jax.lax.map(lambda a: _lse_nll(_logits(a[0], w), a[1]),
+                         (_chunked(h, chunks), _chunked(y, chunks)))
+  return _unchunked(nll), (h, w, y, None, _unchunked(lse))
+
+
+def _nll_bwd(chunks, res, c):
+  h, w, y, z, lse = res
+  c = c.astype(f32)
+  if chunks == 1:
+    dz = _dlogits(z, lse, y, c)
+    dh = jnp.einsum("btv,dv->btd", dz, w)
+    dw = jnp.einsum("btd,btv->dv", h, dz)
+    return dh, dw, None
+
+  def one(dw, a):
+    hc, yc, lc, cc = a
+    dz = _dlogits(_logits(hc, w), lc, yc, cc)
+    dw = dw + jnp.einsum("btd,btv->dv", hc, dz, preferred_element_type=f32)
+    return dw, jnp.einsum("btv,dv->btd", dz, w)
+
+  xs = tuple(_chunked(a, chunks) for a in (h, y, lse, c))
+  dw, dh = jax.lax.scan(one, jnp.zeros(w.shape, f32), xs)
+  return _unchunked(dh), dw.astype(w.dtype), None
+
+
+_nll.defvjp(_nll_fwd, _nll_bwd)
+
+
+def head_nll(h_BxTxD: jax.Array, w_DxV: jax.Array, targets_BxT: jax.Array,
+             chunks: int = 1) -> jax.Array:
+  """Per-token ``logsumexp(h W) - (h W)[y]`` in float32 (``[B, T]``), differentiable in h
+  and W (h and W in the compute dtype).
+
+  ``chunks`` must divide T (1: the whole sequence at once, logits kept in the compute dtype
+  for the backward pass; k > 1: k slices of the sequence axis, logits recomputed in the
+  backward pass).
+  """
+  t = h_BxTxD.shape[1]
+  if chunks < 1 or t % chunks:
+    raise ValueError(f"loss_chunks={chunks} must be >= 1 and divide the sequence length {t}")
+  return _nll(h_BxTxD, w_DxV, targets_BxT.astype(jnp.int32), chunks)
+
+
+def head_loss(h_BxTxD: jax.Array, w_DxV: jax.Array, targets_BxT: jax.Array,
+              mask_BxT: jax.Array | None = None, chunks: int = 1) -> jax.Array:
+  """Mean cross-entropy over supervised positions of the logits ``h W`` (float32):
+  ``sum_{b,t} m_{bt} nll_{bt} / max(sum m, 1)``; equals ``lm_loss(h W, targets, mask)``."""
+  nll = head_nll(h_BxTxD, w_DxV, targets_BxT, chunks)
+  if mask_BxT is None:
+    return jnp.mean(nll)
+  m = mask_BxT.astype(f32)
+  return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)
