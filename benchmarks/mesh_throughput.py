@@ -1,0 +1,228 @@
+"""Training-system throughput across meshes and GPU counts, each configuration in its own process.
+
+  PYTHONPATH=. python benchmarks/mesh_throughput.py --configs data1,data2,fsdp2,tensor2 \
+      [--preset gpt2-small --batch 64 --micro 2 --unroll 12 --steps 30 --csv OUT.csv]
+  PYTHONPATH=. python benchmarks/mesh_throughput.py --quick      # CPU smoke run (2 devices)
+
+A configuration is ``AXISN[+option...]``: AXIS one of data / fsdp / tensor, N its size (the
+number of GPUs; ``data1`` is the one-GPU baseline, run with ``CUDA_VISIBLE_DEVICES=0``).
+Options: ``legacy`` (the model without its sharding constraints and with the unfused loss: the
+program before the FSDP fix), ``unfused`` (plain float32-logits loss), ``mK`` (K
+microbatches), ``bN`` (N sequences per step), ``pNAME`` (model preset), ``chunksK`` (fused
+loss in K sequence slices), ``optNAME`` (optimizer, default adamw), ``uK`` (scan_unroll),
+``seqT`` (sequence length), ``remat`` / ``dots`` (full / dots rematerialization).
+
+Every configuration runs ``scaleopt.train.loop.train`` on the embedded corpus (host data
+pipeline, collector scan, clipping, skip guard, metrics) in a fresh process with a timeout;
+tokens/s is the loop's own measurement over all steps after the compile step. One-GPU
+configurations next to each other in ``--configs`` run two at a time, one per GPU, when
+``--pair-single`` is given. The table's ratios divide by the first ``data1`` row with the same batch, microbatch
+and preset options (same run, same card).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GPU_FLAGS = ("--xla_gpu_enable_triton_gemm=false "
+             "--xla_gpu_enable_latency_hiding_scheduler=true")
+
+
+def parse(name: str, defaults: dict) -> dict:
+  """``fsdp2+m4+legacy`` -> the run's settings."""
+  head, *opts = name.split("+")
+  m = re.fullmatch(r"(data|fsdp|tensor)(\d+)", head)
+  if not m:
+    raise SystemExit(f"bad configuration {name!r}: expected AXISN[+option...], AXIS in "
+                     "data/fsdp/tensor")
+  c = dict(defaults, name=name, axis=m.group(1), n=int(m.group(2)), legacy=False, fused=True)
+  for o in opts:
+    if o == "legacy":
+      c["legacy"], c["fused"] = True, False
+    elif o == "unfused":
+      c["fused"] = False
+    elif re.fullmatch(r"m\d+", o):
+      c["micro"] = int(o[1:])
+    elif re.fullmatch(r"b\d+", o):
+      c["batch"] = int(o[1:])
+    elif re.fullmatch(r"chunks\d+", o):
+      c["chunks"] = int(o[6:])
+    elif re.fullmatch(r"u\d+", o):
+      c["unroll"] = int(o[1:])
+    elif re.fullmatch(r"seq\d+", o):
+      c["seq"] = int(o[3:])
+    elif o in ("remat", "dots"):
+      c["remat"] = "full" if o == "remat" else "dots"
+    elif o.startswith("opt"):
+      c["optimizer"] = o[3:]
+    elif o.startswith("p"):
+      c["preset"] = o[1:]
+    else:
+      raise SystemExit(f"bad option {o!r} in configuration {name!r}")
+  return c
+
+
+def run_one(c: dict) -> dict:
+  """Trains one configuration in this process; returns the summary plus settings."""
+  import jax
+  from scaleopt.train import config as C, loop
+  mesh = {"data": 1, "fsdp": 1, "tensor": 1, c["axis"]: c["n"]}
+  raw = {
+      "run": {"steps": c["steps"], "log_every": 10, "eval_every": 0, "eval_batches": 1,
+              "checkpoint_every": 0, "async_checkpoint": False, "progress": False,
+              "plot": False, "tensorboard": False, "seed": 0},
+      "model": {"preset": c["preset"], "dtype": c["dtype"], "max_seq_len": c["seq"],
+                "scan_unroll": c["unroll"], "fused_loss": c["fused"],
+                "loss_chunks": c.get("chunks", 1), "remat": c.get("remat", "none")},
+      "data": {"source": "embedded", "seq_len": c["seq"], "batch_size": c["batch"],
+               "microbatches": c["micro"]},
+      "optimizer": {"name": c.get("optimizer", "adamw"), "learning_rate": 6e-4,
+                    "schedule": {"kind": "cosine", "warmup_steps": 2}},
+      "mesh": mesh,
+  }
+  cfg = C.from_dict(raw)
+  s = loop.setup(cfg)
+  if c["legacy"]:
+    s.model = s.model.with_mesh(None)
+  with tempfile.TemporaryDirectory() as tmp:
+    out = loop.train(cfg, pathlib.Path(tmp) / "run", s=s)
+  return dict(c, tokens_per_s=out["tokens_per_s"], mfu=out["mfu"], compile_s=out["compile_s"],
+              final_loss=out["final_train_loss"], devices=jax.device_count(),
+              device_kind=jax.devices()[0].device_kind, jax=jax.__version__)
+
+
+def _spawn(c: dict, gpu: str | None, timeout: int) -> tuple[subprocess.Popen, float]:
+  env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+  if gpu is not None:
+    env["CUDA_VISIBLE_DEVICES"] = gpu
+  if c["platform"] == "cpu":
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={c['n']}"
+  p = subprocess.Popen([sys.executable, __file__, "--one", json.dumps(c)], env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  return p, time.time() + timeout
+
+
+def _collect(p: subprocess.Popen, deadline: float, c: dict) -> dict:
+  try:
+    out, err = p.communicate(timeout=max(1.0, deadline - time.time()))
+  except subprocess.TimeoutExpired:
+    p.kill()
+    p.communicate()
+    print(f"# {c['name']}: timed out", flush=True)
+    return dict(c, error="timeout")
+  lines = [l for l in out.splitlines() if l.startswith("{")]
+  if p.returncode or not lines:
+    print(f"# {c['name']}: failed (rc {p.returncode})\n{err[-2000:]}", flush=True)
+    return dict(c, error=f"rc {p.returncode}")
+  r = json.loads(lines[-1])
+  print(f"# {c['name']}: {r['tokens_per_s']:,.0f} tokens/s on {r['devices']} x "
+        f"{r['device_kind']}, compile {r['compile_s']:.1f}s, loss {r['final_loss']:.3f}",
+        flush=True)
+  return r
+
+
+def run_all(configs: list[dict], timeout: int, pair_single: bool, budget: float) -> list[dict]:
+  """Runs in the given order (consecutive one-GPU configurations two at a time with
+  ``pair_single``); configurations that would start after ``budget`` seconds are skipped."""
+  t0, results, i = time.time(), {}, 0
+  gpu = configs[0]["platform"] != "cpu"
+  while i < len(configs):
+    group = [configs[i]]
+    if pair_single and gpu and configs[i]["n"] == 1 and i + 1 < len(configs) \
+        and configs[i + 1]["n"] == 1:
+      group.append(configs[i + 1])
+    i += len(group)
+    if time.time() - t0 > budget:
+      for c in group:
+        print(f"# {c['name']}: skipped (time budget)", flush=True)
+        results[c["name"]] = dict(c, error="skipped")
+      continue
+    procs = [(c, *_spawn(c, (str(j) if gpu else None) if c["n"] == 1 else None, timeout))
+             for j, c in enumerate(group)]
+    for c, p, dl in procs:
+      results[c["name"]] = _collect(p, dl, c)
+  return [results[c["name"]] for c in configs]
+
+
+def table(rows: list[dict]) -> str:
+  key = lambda r: (r["preset"], r["batch"], r["seq"], r["micro"], r.get("optimizer", "adamw"))
+  base = {}
+  for r in rows:
+    if r["axis"] == "data" and r["n"] == 1 and "error" not in r and key(r) not in base:
+      base[key(r)] = r["tokens_per_s"]
+  out = ["| configuration | mesh | GPUs | preset | tokens/step | microbatches | ms/step | "
+         "tokens/s | vs one GPU | MFU | final train loss |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    tok = r["batch"] * r["seq"]
+    mesh = f"{r['axis']} {r['n']}"
+    if "error" in r:
+      out.append(f"| {r['name']} | {mesh} | {r['n']} | {r['preset']} | {tok} | {r['micro']} |"
+                 f" - | {r['error']} | - | - | - |")
+      continue
+    b = base.get(key(r))
+    rel = f"{r['tokens_per_s'] / b:.2f}x" if b else "-"
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
+    out.append(f"| {r['name']} | {mesh} | {r['devices']} | {r['preset']} | {tok} | "
+               f"{r['micro']} | {1e3 * tok / r['tokens_per_s']:.1f} | "
+               f"{r['tokens_per_s']:,.0f} | {rel} | {mfu} | {r['final_loss']:.3f} |")
+  return "\n".join(out)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--one", help=argparse.SUPPRESS)
+  ap.add_argument("--quick", action="store_true", help="tiny model on 2 CPU devices")
+  ap.add_argument("--configs", default="data1,data2,fsdp2,tensor2")
+  ap.add_argument("--preset", default="gpt2-small")
+  ap.add_argument("--batch", type=int, default=64)
+  ap.add_argument("--seq", type=int, default=1024)
+  ap.add_argument("--micro", type=int, default=2)
+  ap.add_argument("--unroll", type=int, default=12)
+  ap.add_argument("--steps", type=int, default=30)
+  ap.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
+  ap.add_argument("--pair-single", action="store_true",
+                  help="run one-GPU configurations two at a time, one per GPU")
+  ap.add_argument("--budget", type=float, default=1e9,
+                  help="start no configuration after this many seconds")
+  ap.add_argument("--csv", help="write the rows here")
+  args = ap.parse_args(argv)
+  if args.one:
+    print(json.dumps(run_one(json.loads(args.one))), flush=True)
+    return 0
+  platform, dtype = "gpu", "bfloat16"
+  if args.quick:
+    args.preset, args.batch, args.seq, args.steps, args.unroll = "tiny", 8, 64, 6, 1
+    platform, dtype = "cpu", "float32"
+  else:
+    os.environ.setdefault("XLA_FLAGS", GPU_FLAGS)
+  defaults = dict(preset=args.preset, batch=args.batch, seq=args.seq, micro=args.micro,
+                  unroll=args.unroll, steps=args.steps, dtype=dtype, platform=platform)
+  configs = [parse(n, defaults) for n in args.configs.split(",")]
+  print(f"# XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; {len(configs)} configurations, "
+        f"{args.steps} steps each", flush=True)
+  rows = run_all(configs, args.timeout, args.pair_single, args.budget)
+  print()
+  print(table(rows))
+  if args.csv:
+    keys = sorted({k for r in rows for k in r})
+    with open(args.csv, "w", newline="") as f:
+      w = csv.DictWriter(f, fieldnames=keys)
+      w.writeheader()
+      w.writerows(rows)
+  return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
