@@ -10,7 +10,8 @@ Options: ``legacy`` (the model without its sharding constraints and with the unf
 program before the FSDP fix), ``unfused`` (plain float32-logits loss), ``mK`` (K
 microbatches), ``bN`` (N sequences per step), ``pNAME`` (model preset), ``chunksK`` (fused
 loss in K sequence slices), ``optNAME`` (optimizer, default adamw), ``uK`` (scan_unroll),
-``seqT`` (sequence length), ``remat`` / ``dots`` (full / dots rematerialization).
+``seqT`` (sequence length), ``remat`` / ``dots`` (full / dots rematerialization), ``xNAME``
+(an extra XLA flag from ``XLA_OPTIONS``).
 
 Every configuration runs ``scaleopt.train.loop.train`` on the embedded corpus (host data
 pipeline, collector scan, clipping, skip guard, metrics) in a fresh process with a timeout;
@@ -36,6 +37,12 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GPU_FLAGS = ("--xla_gpu_enable_triton_gemm=false "
              "--xla_gpu_enable_latency_hiding_scheduler=true")
+# Per-configuration XLA flag options (``+xNAME``), appended to XLA_FLAGS of that process.
+XLA_OPTIONS = {
+    "lt": "--xla_gpu_enable_cublaslt=true",
+    "nocb": "--xla_gpu_enable_command_buffer=",
+    "db": "--xla_gpu_enable_while_loop_double_buffering=true",
+}
 
 
 def parse(name: str, defaults: dict) -> dict:
@@ -57,6 +64,8 @@ def parse(name: str, defaults: dict) -> dict:
       c["batch"] = int(o[1:])
     elif re.fullmatch(r"chunks\d+", o):
       c["chunks"] = int(o[6:])
+    elif o[:1] == "x" and o[1:] in XLA_OPTIONS:
+      c["xla"] = c.get("xla", "") + " " + XLA_OPTIONS[o[1:]]
     elif re.fullmatch(r"u\d+", o):
       c["unroll"] = int(o[1:])
     elif re.fullmatch(r"seq\d+", o):
@@ -108,6 +117,8 @@ def _spawn(c: dict, gpu: str | None, timeout: int) -> tuple[subprocess.Popen, fl
   if c["platform"] == "cpu":
     env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={c['n']}"
+  elif c.get("xla"):
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + c["xla"]
   p = subprocess.Popen([sys.executable, __file__, "--one", json.dumps(c)], env=env,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   return p, time.time() + timeout
@@ -132,7 +143,8 @@ def _collect(p: subprocess.Popen, deadline: float, c: dict) -> dict:
   return r
 
 
-def run_all(configs: list[dict], timeout: int, pair_single: bool, budget: float) -> list[dict]:
+def run_all(configs: list[dict], timeout: int, pair_single: bool, budget: float,
+            single_gpu: str = "0") -> list[dict]:
   """Runs in the given order (consecutive one-GPU configurations two at a time with
   ``pair_single``); configurations that would start after ``budget`` seconds are skipped."""
   t0, results, i = time.time(), {}, 0
@@ -148,7 +160,8 @@ def run_all(configs: list[dict], timeout: int, pair_single: bool, budget: float)
         print(f"# {c['name']}: skipped (time budget)", flush=True)
         results[c["name"]] = dict(c, error="skipped")
       continue
-    procs = [(c, *_spawn(c, (str(j) if gpu else None) if c["n"] == 1 else None, timeout))
+    ids = [str(j) for j in range(len(group))] if len(group) > 1 else [single_gpu]
+    procs = [(c, *_spawn(c, (ids[j] if gpu else None) if c["n"] == 1 else None, timeout))
              for j, c in enumerate(group)]
     for c, p, dl in procs:
       results[c["name"]] = _collect(p, dl, c)
@@ -194,6 +207,7 @@ def main(argv=None) -> int:
   ap.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
   ap.add_argument("--pair-single", action="store_true",
                   help="run one-GPU configurations two at a time, one per GPU")
+  ap.add_argument("--single-gpu", default="0", help="GPU for unpaired one-GPU configurations")
   ap.add_argument("--budget", type=float, default=1e9,
                   help="start no configuration after this many seconds")
   ap.add_argument("--csv", help="write the rows here")
@@ -212,7 +226,7 @@ def main(argv=None) -> int:
   configs = [parse(n, defaults) for n in args.configs.split(",")]
   print(f"# XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; {len(configs)} configurations, "
         f"{args.steps} steps each", flush=True)
-  rows = run_all(configs, args.timeout, args.pair_single, args.budget)
+  rows = run_all(configs, args.timeout, args.pair_single, args.budget, args.single_gpu)
   print()
   print(table(rows))
   if args.csv:

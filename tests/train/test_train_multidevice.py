@@ -1,4 +1,4 @@
-"""8 simulated CPU devices: data x FSDP sharding reproduces the single-device run."""
+"""8 simulated CPU devices: data x FSDP x tensor sharding reproduces the single-device run."""
 
 import json
 import os
@@ -49,7 +49,7 @@ print(json.dumps(out))
 def _configs():
   common = dict(run={"steps": 8, "eval_every": 8, "checkpoint_every": 0, "log_every": 1,
                      "tensorboard": False})
-  adamw = tiny_raw(**common, mesh={"data": 4, "fsdp": 2})
+  adamw = tiny_raw(**common, mesh={"data": 2, "fsdp": 2, "tensor": 2})
   bc = tiny_raw(**common, mesh={"data": 2, "fsdp": 4},
                 optimizer={"name": "adamw_bc",
                            "extra": {"mode": "full", "crossfit": "rolling_b"}})
@@ -68,10 +68,12 @@ def test_data_fsdp_matches_single_device(tmp_path, name):
                      text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   info = json.loads(r.stdout.strip().splitlines()[-1])
-  expect = {"adamw": {"data": 4, "fsdp": 2, "tensor": 1},
+  expect = {"adamw": {"data": 2, "fsdp": 2, "tensor": 2},
             "adamw_bc": {"data": 2, "fsdp": 4, "tensor": 1}}[name]
   assert info[name + "_mesh"] == expect
   assert "fsdp" in info[name + "_embed_spec"]  # parameters really are sharded
+  if name == "adamw":
+    assert "tensor" in info[name + "_embed_spec"]
   msg = info["bad_batch"]
   assert "6 sequences" in msg and "8 batch shards" in msg, msg
   for name in (name,):

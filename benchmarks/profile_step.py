@@ -1,0 +1,135 @@
+"""Where the train step's GPU time goes: a profiler trace of a few steps, summed by kernel kind.
+
+  PYTHONPATH=. python benchmarks/profile_step.py [--preset gpt2-small --batch 32 --micro 1
+      --unroll 12 --steps 3 --out DIR]
+
+Builds the training system's jitted step (``scaleopt.train``: collector, AdamW, skip guard,
+metrics) for the preset, runs warm-up steps on a fixed batch, then records ``--steps`` steps
+with ``jax.profiler.trace(create_perfetto_trace=True)`` and sums the device-side kernel
+durations per step by kind: GEMM (cuBLAS), attention (cuDNN), XLA fusions (elementwise and
+reductions), copies / memsets, collectives (NCCL), other. Kernel time can exceed the step time
+only where kernels overlap (several streams).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+from scaleopt.train import config as C
+from scaleopt.train import loop
+
+KINDS = (("collective", ("nccl", "all-reduce", "all-gather", "reduce-scatter", "allreduce",
+                         "allgather", "reducescatter")),
+         ("attention", ("cudnn", "fmha", "flash", "sdpa", "attention")),
+         ("gemm", ("gemm", "cublas", "xmma", "nvjet", "cutlass", "matmul", "gemv")),
+         ("copy/memset", ("memcpy", "memset", "copy")),
+         ("fusion", ("fusion", "loop_", "input_", "reduce", "wrapped", "convert", "transpose",
+                     "concatenate", "slice", "scatter", "gather", "triton")))
+
+
+def kind_of(name: str) -> str:
+  low = name.lower()
+  for kind, keys in KINDS:
+    if any(k in low for k in keys):
+      return kind
+  return "other"
+
+
+def gpu_events(trace: dict) -> list[dict]:
+  """Complete events ("X") on device processes of a perfetto/chrome trace."""
+  names = {e["pid"]: e.get("args", {}).get("name", "") for e in trace.get("traceEvents", [])
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  dev = {p for p, n in names.items() if "gpu" in n.lower() or "device" in n.lower()}
+  threads = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "")
+             for e in trace.get("traceEvents", [])
+             if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in dev}
+  streams = {k for k, n in threads.items() if "stream" in n.lower()}  # not derived XLA lines
+  ev = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+  if streams:
+    return [e for e in ev if (e["pid"], e["tid"]) in streams]
+  return [e for e in ev if e["pid"] in dev] if dev else ev
+
+
+def summarize(events: list[dict], steps: int, top: int = 25) -> str:
+  by_kind, by_name = collections.Counter(), collections.Counter()
+  count = collections.Counter()
+  for e in events:
+    by_kind[kind_of(e["name"])] += e["dur"]
+    by_name[e["name"]] += e["dur"]
+    count[e["name"]] += 1
+  total = sum(by_kind.values())
+  out = ["| kernel kind | ms per step | share |", "|---|---|---|"]
+  for k, v in by_kind.most_common():
+    out.append(f"| {k} | {v / 1e3 / steps:.2f} | {100 * v / max(total, 1):.1f}% |")
+  out.append(f"| all kernels | {total / 1e3 / steps:.2f} | 100% |")
+  out += ["", "| kernel | kind | calls per step | ms per step |", "|---|---|---|---|"]
+  for n, v in by_name.most_common(top):
+    out.append(f"| {n[:90]} | {kind_of(n)} | {count[n] / steps:.0f} | {v / 1e3 / steps:.2f} |")
+  return "\n".join(out)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--preset", default="gpt2-small")
+  ap.add_argument("--batch", type=int, default=32)
+  ap.add_argument("--seq", type=int, default=1024)
+  ap.add_argument("--micro", type=int, default=1)
+  ap.add_argument("--unroll", type=int, default=12)
+  ap.add_argument("--steps", type=int, default=3)
+  ap.add_argument("--warmup", type=int, default=5)
+  ap.add_argument("--unfused", action="store_true", help="plain float32-logits loss")
+  ap.add_argument("--out", default=None, help="directory for the trace (default: temporary)")
+  args = ap.parse_args(argv)
+  raw = {"run": {"steps": 1, "progress": False, "plot": False, "tensorboard": False},
+         "model": {"preset": args.preset, "dtype": "bfloat16", "max_seq_len": args.seq,
+                   "scan_unroll": args.unroll, "fused_loss": not args.unfused},
+         "data": {"source": "embedded", "seq_len": args.seq, "batch_size": args.batch,
+                  "microbatches": args.micro},
+         "optimizer": {"name": "adamw"}, "mesh": {"data": -1}}
+  s = loop.setup(C.from_dict(raw))
+  fns = loop.compile_fns(s)
+  state = fns.init()
+  tokens = jax.random.randint(jax.random.key(0), (args.micro, args.batch // args.micro,
+                                                  args.seq + 1), 0, s.model.cfg.vocab_size)
+  batch = {"tokens": jax.device_put(tokens.astype(jnp.int32), fns.batch_sh)}
+  for _ in range(args.warmup):
+    state, m = fns.train_step(state, batch)
+  jax.block_until_ready(m["loss"])
+  t0 = time.perf_counter()
+  for _ in range(args.steps):
+    state, m = fns.train_step(state, batch)
+  jax.block_until_ready(m["loss"])
+  wall = (time.perf_counter() - t0) / args.steps
+  out = args.out or tempfile.mkdtemp()
+  with jax.profiler.trace(out, create_perfetto_trace=True):
+    for _ in range(args.steps):
+      state, m = fns.train_step(state, batch)
+    jax.block_until_ready(m["loss"])
+  files = sorted(glob.glob(os.path.join(out, "**", "*.trace.json.gz"), recursive=True))
+  dev = jax.devices()[0]
+  print(f"# {dev.device_kind} x {jax.device_count()}, jax {jax.__version__}, {args.preset} "
+        f"{args.batch} x {args.seq}, {args.micro} microbatch(es), fused loss "
+        f"{not args.unfused}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+  print(f"# step time without the profiler: {1e3 * wall:.1f} ms")
+  if not files:
+    print("# no perfetto trace was written")
+    return 1
+  with gzip.open(files[-1], "rt") as f:
+    trace = json.load(f)
+  print(summarize(gpu_events(trace), args.steps))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
