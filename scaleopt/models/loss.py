@@ -34,10 +34,11 @@ f32 = jnp.float32
 
 
 def _lse_nll(z: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
-  z32 = z.astype(f32)
-  m = jax.lax.stop_gradient(jnp.max(z32, axis=-1, keepdims=True))
-  lse = jnp.log(jnp.sum(jnp.exp(z32 - m), axis=-1)) + m[..., 0]
-  zy = jnp.take_along_axis(z32, y[..., None], axis=-1)[..., 0]
+  # max and the target gather read z in its own dtype (exact: the cast commutes with both),
+  # so no float32 copy of z is needed for them.
+  m = jnp.max(z, axis=-1, keepdims=True).astype(f32)
+  lse = jnp.log(jnp.sum(jnp.exp(z.astype(f32) - m), axis=-1)) + m[..., 0]
+  zy = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0].astype(f32)
   return lse, lse - zy
 
 
