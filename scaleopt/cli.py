@@ -53,6 +53,8 @@ def _print_config(path: str, overrides: list[str]) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+  from scaleopt.train.mesh import set_launch_xla_flags
+  set_launch_xla_flags()  # before JAX starts a backend
   from scaleopt.train.main import train_main
 
   args.config = _config(args, "train")

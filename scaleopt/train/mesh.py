@@ -1,8 +1,10 @@
-"""Device mesh (axes data, fsdp, tensor), sharding rules and multi-host start-up.
+"""Device mesh (axes data, fsdp, tensor), sharding rules, multi-host start-up, launch flags.
 
-Parameters follow the model's logical partition rules (``scaleopt.models.partition_rules``):
-logical ``fsdp`` -> mesh axis ``fsdp``, ``tensor`` -> ``tensor``, everything else replicated;
-a dimension that the mesh axis does not divide stays replicated. Optimizer-state leaves take
+Parameters follow the model's logical partition rules (``scaleopt.models.partition_rules``)
+mapped by ``scaleopt.models.sharding.mesh_spec``: logical ``fsdp`` -> mesh axis ``fsdp``,
+``tensor`` -> ``tensor``, everything else replicated; a dimension that the mesh axis does not
+divide stays replicated. Inside the step the model pins activations to the batch axes and
+gathers kernels over ``fsdp`` for use (``scaleopt.models.sharding``; ``bridge.Model.mesh``). Optimizer-state leaves take
 the sharding of the parameter whose path ends their own path (optax states nest the parameter
 tree) when the shapes agree, else they are replicated. Batches ``[m, b, T+1]`` are split on
 the sequence axis b over ``data`` x ``fsdp`` (FSDP is data parallel for activations).
@@ -17,13 +19,32 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from scaleopt.models.sharding import mesh_spec
 from scaleopt.train.config import ConfigError, MeshConfig
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
-_LOGICAL = {"fsdp": "fsdp", "tensor": "tensor"}
+# XLA flags a GPU training process gets from the launcher (``scaleopt train``) unless
+# XLA_FLAGS already sets them: cuBLAS instead of Triton GEMMs (gpt2-small: 46% instead of 35%
+# MFU, docs/benchmarks.md) and the latency-hiding scheduler (overlaps FSDP all-gathers /
+# reduce-scatters with compute). XLA ignores GPU flags on other platforms.
+LAUNCH_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",
+                    "--xla_gpu_enable_latency_hiding_scheduler=true")
 _MULTIHOST_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "SLURM_NTASKS",
                   "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
+
+
+def launch_xla_flags(current: str) -> str:
+  """``current`` XLA_FLAGS plus every ``LAUNCH_XLA_FLAGS`` entry whose flag it does not set."""
+  names = {f.split("=")[0] for f in current.split()}
+  extra = [f for f in LAUNCH_XLA_FLAGS if f.split("=")[0] not in names]
+  return " ".join([current.strip(), *extra]).strip()
+
+
+def set_launch_xla_flags(environ=os.environ) -> None:
+  """Called by the launcher before JAX starts a backend; ``SCALEOPT_XLA_DEFAULTS=0`` opts out."""
+  if environ.get("SCALEOPT_XLA_DEFAULTS", "1") != "0":
+    environ["XLA_FLAGS"] = launch_xla_flags(environ.get("XLA_FLAGS", ""))
 
 
 def maybe_initialize_distributed(mode: str) -> bool:
@@ -93,18 +114,11 @@ def eval_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES, None))
 
 
-def _spec(mesh: Mesh, logical: tuple, shape: tuple) -> P:
-  out = []
-  for name, dim in zip(logical, shape):
-    axis = _LOGICAL.get(name) if name else None
-    out.append(axis if axis and mesh.shape[axis] > 1 and dim % mesh.shape[axis] == 0 else None)
-  return P(*out)
-
-
 def param_shardings(mesh: Mesh, params_shape: Any, rules: Callable) -> Any:
   """NamedSharding per parameter from ``rules(path, shape) -> logical axes``."""
   return jax.tree_util.tree_map_with_path(
-      lambda p, x: NamedSharding(mesh, _spec(mesh, rules(p, x.shape), x.shape)), params_shape)
+      lambda p, x: NamedSharding(mesh, mesh_spec(mesh, rules(p, x.shape), x.shape)),
+      params_shape)
 
 
 def state_shardings(mesh: Mesh, tree_shape: Any, params_shape: Any, param_sh: Any) -> Any:

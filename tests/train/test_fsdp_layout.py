@@ -74,3 +74,15 @@ def test_fsdp_reduces_gradients_not_activations():
   assert res["legacy"]["act"] > 0, res
   # ... with them no activation is all-reduced or reduce-scattered, and kernels are gathered.
   assert res["fsdp"]["act"] == 0 and res["fsdp"]["gathers"] > 0, res
+
+
+def test_launch_xla_flags_keep_the_users_settings():
+  from scaleopt.train import mesh
+  assert mesh.launch_xla_flags("") == " ".join(mesh.LAUNCH_XLA_FLAGS)
+  mine = "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x"
+  out = mesh.launch_xla_flags(mine).split()
+  assert out[:2] == mine.split() and "--xla_gpu_enable_triton_gemm=false" not in out
+  assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out
+  env = {"SCALEOPT_XLA_DEFAULTS": "0", "XLA_FLAGS": "--a=1"}
+  mesh.set_launch_xla_flags(env)
+  assert env["XLA_FLAGS"] == "--a=1"
