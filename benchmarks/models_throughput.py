@@ -2,6 +2,7 @@
 
   PYTHONPATH=. python benchmarks/models_throughput.py            # gpt2-small, 32 x 1024, GPU
   PYTHONPATH=. python benchmarks/models_throughput.py --quick    # tiny shapes, CPU smoke run
+  ... --fused-loss    # the scaleopt rows with the fused LM head + cross-entropy
 
 Both models have the same shapes (RMSNorm, RoPE, SwiGLU, tied embeddings, bf16 compute, fp32
 parameters, fp32 logits and loss) and use ``jax.nn.dot_product_attention`` (cuDNN on GPU).
@@ -84,8 +85,12 @@ def ref_apply(cfg: models.ModelConfig, impl: str, params: dict, tokens: jax.Arra
 # Timing.
 
 
-def make_fns(apply_fn):
+def make_fns(apply_fn, head_loss_fn=None):
+  """``head_loss_fn(params, inputs, targets) -> (loss, aux)`` replaces ``lm_loss(apply_fn)``
+  (e.g. ``models.functional_loss(cfg)``, the fused head + cross-entropy)."""
   def loss_fn(params, tokens):
+    if head_loss_fn is not None:
+      return head_loss_fn(params, tokens[:, :-1], tokens[:, 1:])[0]
     logits, aux = apply_fn(params, tokens[:, :-1])
     return models.lm_loss(logits, tokens[:, 1:])
 
@@ -116,8 +121,8 @@ def time_fn(run, steps: int, warmup: int) -> tuple[float, float]:
   return first, (time.perf_counter() - t0) / steps
 
 
-def bench_model(name, init_fn, apply_fn, tokens, steps, warmup, modes):
-  fwd_bwd, tx, step = make_fns(apply_fn)
+def bench_model(name, init_fn, apply_fn, tokens, steps, warmup, modes, head_loss_fn=None):
+  fwd_bwd, tx, step = make_fns(apply_fn, head_loss_fn)
   rows = []
   params = jax.jit(init_fn)(jax.random.key(0))
   if "fwd+bwd" in modes:
@@ -151,6 +156,8 @@ def main():
   ap.add_argument("--logits-fp32", action="store_true",
                   help="float32 LM-head dot output in both models (default: bf16 dot, then f32)")
   ap.add_argument("--no-ref", action="store_true", help="skip the plain-JAX reference")
+  ap.add_argument("--fused-loss", action="store_true",
+                  help="scaleopt rows use the fused head + cross-entropy (models.functional_loss)")
   ap.add_argument("--check", action="store_true", help="compare cuDNN and XLA attention logits")
   args = ap.parse_args()
   if args.quick:
@@ -191,7 +198,9 @@ def main():
     vcfg = cfg.with_variant(v)
     init, apply = models.functional(vcfg)
     modes = ("fwd+bwd", "adamw") if v == "standard" else ("adamw",)
-    rows += bench_model(f"scaleopt {v}", init, apply, tokens, args.steps, args.warmup, modes)
+    fused = models.functional_loss(vcfg) if args.fused_loss else None
+    rows += bench_model(f"scaleopt {v}" + (" (fused loss)" if fused else ""), init, apply,
+                        tokens, args.steps, args.warmup, modes, head_loss_fn=fused)
 
   ntok = args.batch * t
   fpt = models.flops_per_token(cfg, t)

@@ -5,7 +5,8 @@
 
 Rows:
 * ``bare step``: ``jit(value_and_grad + optax.adamw)`` with donated buffers on a fixed batch
-  (benchmarks/models_throughput.py), for the plain-JAX reference model and for scaleopt.models.
+  (benchmarks/models_throughput.py), for the plain-JAX reference model (plain loss) and for
+  scaleopt.models (its fused head + cross-entropy, as in the training system).
 * ``train system``: ``scaleopt.train.loop.train`` on the embedded corpus (host data pipeline,
   collector scan, clipping, skip guard, metrics, checkpoint at the end), tokens/s measured by the
   loop over all steps after the first (compile) and without eval/checkpoint time.
@@ -87,12 +88,15 @@ def main(argv=None) -> int:
         ("bare step, plain-JAX reference model", lambda k: mt.ref_init(cfg, k),
          functools.partial(mt.ref_apply, cfg, impl)),
         ("bare step, scaleopt model",) + models.functional(cfg)):
-      for _, mode, first, dt in mt.bench_model(name, init, apply, tokens, 20, 3, ("adamw",)):
+      fused = models.functional_loss(cfg) if name.endswith("scaleopt model") else None
+      for _, mode, first, dt in mt.bench_model(name, init, apply, tokens, 20, 3, ("adamw",),
+                                               head_loss_fn=fused):
         rows.append((name, "optax.adamw", 1, ntok / dt, ntok / dt))
         print(f"# {name}: {1e3 * dt:.1f} ms/step (compile+1st {first:.1f}s)", flush=True)
   else:  # CPU smoke run: only the scaleopt bare step (the reference model is bf16-only)
     init, apply = models.functional(cfg)
-    for _, mode, first, dt in mt.bench_model("bare", init, apply, tokens, 5, 1, ("adamw",)):
+    for _, mode, first, dt in mt.bench_model("bare", init, apply, tokens, 5, 1, ("adamw",),
+                                             head_loss_fn=models.functional_loss(cfg)):
       rows.append(("bare step, scaleopt model", "optax.adamw", 1, ntok / dt, ntok / dt))
 
   adamw = {"name": "adamw", "learning_rate": 6e-4}
