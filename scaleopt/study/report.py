@@ -270,15 +270,8 @@ def plot(st, rows: list[dict], conds: list[Condition], out: pathlib.Path) -> Non
         ax.plot(steps, y.mean(0), ls=ls, color=color[c.arm], marker="o" if lab == "val" else None,
                 ms=3, label=f"{c.arm} {lab} (lr {c.best_lr:g}, n={len(curves)})")
         ax.fill_between(steps, y.min(0), y.max(0), color=color[c.arm], alpha=0.2, lw=0)
-    ax.set_title(_grid_str(g) if st.grid else st.name, fontsize=9)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-      ax.legend(fontsize=6)
-  fig.tight_layout()
-  fig.savefig(out / "curves.png", dpi=110)
-  plt.close(fig)
+    _finish(ax, _grid_str(g) if st.grid else st.name, "step", "loss (nats/token)")
+  _save(fig, out / "curves.png")
 
   fig, axes = plt.subplots(1, len(grids), figsize=(w, 3.8), squeeze=False)
   for ax, g in zip(axes[0], grids):
@@ -293,14 +286,23 @@ def plot(st, rows: list[dict], conds: list[Condition], out: pathlib.Path) -> Non
         x, m, lo, hi = map(np.array, zip(*pts))
         ax.errorbar(x, m, yerr=[m - lo, hi - m], color=color[a], marker="o", capsize=3, label=a)
     ax.set_xscale("log")
-    ax.set_xlabel("peak learning rate")
-    ax.set_ylabel("final val loss")
-    ax.set_title(_grid_str(g) if st.grid else st.name, fontsize=9)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-      ax.legend(fontsize=7)
+    _finish(ax, _grid_str(g) if st.grid else st.name, "peak learning rate", "final val loss")
+  _save(fig, out / "lr.png")
+
+
+def _finish(ax, title: str, xlabel: str, ylabel: str) -> None:
+  ax.set_title(title, fontsize=9)
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.grid(alpha=0.3)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=6)
+
+
+def _save(fig, path: pathlib.Path) -> None:
+  import matplotlib.pyplot as plt
   fig.tight_layout()
-  fig.savefig(out / "lr.png", dpi=110)
+  fig.savefig(path, dpi=110)
   plt.close(fig)
 
 
