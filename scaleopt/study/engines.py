@@ -23,9 +23,12 @@ from scaleopt.train.config import TrainConfig
 NAN = float("nan")
 
 
-def single_device(cfg: TrainConfig) -> bool:
+def vmap_ok(cfg: TrainConfig) -> bool:
+  """The vmap engine runs on one device and from a fresh initialization (no
+  ``model.init_from``); other cells fall back to the loop engine."""
   m = cfg.mesh
-  return jax.device_count() == 1 or (m.data == 1 and m.fsdp == 1 and m.tensor == 1)
+  one = jax.device_count() == 1 or (m.data == 1 and m.fsdp == 1 and m.tensor == 1)
+  return one and not cfg.model.get("init_from")
 
 
 def gradient_passes(cfg: TrainConfig, spec, steps: int) -> float:

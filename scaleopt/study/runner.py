@@ -105,6 +105,7 @@ def units(st: Study, cells: list[Cell], out: pathlib.Path) -> list[list[Cell]]:
   """Cells grouped for execution: with the vmap engine, cells of one compile group (equal
   config up to lr and seed) and equal checkpoint step, at most ``cells_at_once`` per unit
   (one for optimizers outside ``VMAP_SAFE``); with the loop engine, one cell each."""
+  from scaleopt.study import engines
   if st.engine == "loop":
     return [[c] for c in cells]
   groups: dict = {}
@@ -114,7 +115,8 @@ def units(st: Study, cells: list[Cell], out: pathlib.Path) -> list[list[Cell]]:
     groups.setdefault(k, []).append(c)
   out_units = []
   for (gk, _), cs in groups.items():
-    size = st.cells_at_once if st.cell_config(cs[0]).optimizer["name"] in VMAP_SAFE else 1
+    cfg = st.cell_config(cs[0])
+    size = st.cells_at_once if cfg.optimizer["name"] in VMAP_SAFE and engines.vmap_ok(cfg) else 1
     out_units += [cs[i:i + size] for i in range(0, len(cs), size)]
   return out_units
 
@@ -182,7 +184,7 @@ def run_unit(st: Study, cells: list[Cell], out: pathlib.Path, stop: _Stop) -> li
   cfgs = [st.cell_config(c) for c in cells]
   step = latest_checkpoint(dirs[0])
   t0 = time.time()
-  if st.engine == "vmap" and engines.single_device(cfgs[0]):
+  if st.engine == "vmap" and engines.vmap_ok(cfgs[0]):
     res = engines.run_vmapped(cfgs, dirs, step, stop, key=study_config.group_key(cfgs[0]))
   else:
     res = [{"status": "interrupted"} if stop() else
