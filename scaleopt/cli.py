@@ -4,7 +4,7 @@
                  [--print-config] [--dry-run]
   scaleopt sweep --config NAME_OR_YAML --out DIR [--set a.b=v ...]
   scaleopt study --config NAME_OR_YAML --out DIR [--set a.b=v ...] [--cells GLOB ...]
-                 [--max-minutes M] [--shard i/n] [--report-only]
+                 [--max-minutes M] [--shard i/n] [--report-only] [--list]
   scaleopt data prepare --input TEXT_OR_DIR --out DIR [--tokenizer bytes|bpe:VOCAB|tokenizer.json]
   scaleopt convert import --hf HF_DIR --out PARAMS_DIR      (Qwen2/Llama safetensors -> Orbax)
   scaleopt convert export --from RUN_OR_PARAMS_DIR --out HF_DIR [--step N] [--dtype bfloat16]
@@ -86,7 +86,7 @@ def _study(args: argparse.Namespace) -> int:
     return 2
   return study_main(args.config, args.out, overrides=args.set, cells=args.cells,
                     max_minutes=args.max_minutes, shard=args.shard,
-                    report_only=args.report_only) or 0
+                    report_only=args.report_only, list_only=args.list) or 0
 
 
 def _data_prepare(args: argparse.Namespace) -> int:
@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
   st.add_argument("--shard", default=None, metavar="i/n", help="this machine's share of the "
                   "conditions (arm x grid point): condition k runs where k mod n == i")
   st.add_argument("--report-only", action="store_true", help="rebuild the report, train nothing")
+  st.add_argument("--list", action="store_true", help="print the cells left, train nothing")
   st.set_defaults(fn=_study)
 
   d = sub.add_parser("data", help="data utilities")

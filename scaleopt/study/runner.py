@@ -147,7 +147,7 @@ class _Stop:
     return self
 
   def _watch(self) -> None:
-    while not self._done.wait(min(1.0, max(0.0, self.deadline - time.time()))):
+    while not self._done.wait(min(1.0, max(0.2, self.deadline - time.time()))):
       if time.time() < self.deadline:
         continue
       self.expired = True
@@ -264,14 +264,23 @@ def run_study(st: Study, out: pathlib.Path, *, cells: Optional[list[str]] = None
 
 def study_main(config: str, out: str, overrides: Optional[list[str]] = None,
                cells: Optional[list[str]] = None, max_minutes: Optional[float] = None,
-               shard: Optional[str] = None, report_only: bool = False) -> int:
+               shard: Optional[str] = None, report_only: bool = False,
+               list_only: bool = False) -> int:
   """``scaleopt study``: 0 when done or cut by --max-minutes, 2 on a config error, 143 when
-  stopped by SIGTERM/SIGINT (everything checkpointed; rerun to continue)."""
+  stopped by SIGTERM/SIGINT (everything checkpointed; rerun to continue). ``list_only``
+  prints what is left for this shard, unit by unit, and trains nothing."""
   from scaleopt.train.data import DataError
   try:
     st = study_config.load(config, overrides)
     if max_minutes is not None and max_minutes <= 0:
       raise ConfigError(f"--max-minutes {max_minutes} must be > 0")
+    if list_only:
+      todo = select(st, plan(st, pathlib.Path(out)), shard, cells)
+      for u in units(st, todo, pathlib.Path(out)):
+        print(f"{len(u)} at once: " + " ".join(c.id for c in u))
+      print(f"study {st.name}: {len(todo)} cell(s) left (this shard; extra seeds at the best lr "
+            "appear once a condition's search is finished)")
+      return EXIT_OK
     res = run_study(st, pathlib.Path(out), cells=cells, max_minutes=max_minutes, shard=shard,
                     train=not report_only)
   except (ConfigError, DataError) as e:

@@ -121,3 +121,25 @@ def test_shipped_studies_validate(path):
   assert st.baseline in st.arms and len(st.search_cells()) >= 8
   if st.best_lr_seeds:
     assert len(set(st.seeds) | set(st.best_lr_seeds)) >= 3
+
+
+def test_vmap_engine_only_for_fresh_single_device_cells(tmp_path):
+  from scaleopt.study import engines
+  st = SC.load(BC_TINY)
+  cells = st.search_cells()
+  cfg = st.cell_config(cells[0])
+  assert engines.vmap_ok(cfg)
+  cfg.model["init_from"] = "ckpt/some-params"  # starts from given weights: the loop does that
+  assert not engines.vmap_ok(cfg)
+  sizes = [len(u) for u in runner.units(st, cells, tmp_path)]
+  assert sizes == [4, 4]  # one group per arm, cells_at_once = 4
+  st2 = SC.load(BC_TINY, ["arms.adamw.optimizer.name=sophia"])  # lax.cond inside: one at a time
+  assert sorted(len(u) for u in runner.units(st2, st2.search_cells(), tmp_path)) == [1] * 4 + [4]
+
+
+def test_cli_list_prints_the_units_left(tmp_path, capsys):
+  assert cli.main(["study", "--config", "bc_tiny", "--out", str(tmp_path), "--list"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[-1].startswith("study bc_tiny: 8 cell(s) left")
+  assert [l.split(":")[0] for l in out[:-1]] == ["4 at once", "4 at once"]
+  assert not (tmp_path / "cells").exists()  # nothing trained

@@ -3,12 +3,17 @@ ordinary training run of one of its cells."""
 
 import csv
 import json
+import os
 import pathlib
 import resource
+import signal
+import threading
+import time
 
 import pytest
 
 from scaleopt import cli
+from scaleopt.study import runner
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BC_TINY = str(ROOT / "configs" / "studies" / "bc_tiny.yaml")
@@ -25,11 +30,22 @@ def _cpu_s():
   return r.ru_utime + r.ru_stime
 
 
-def test_bc_tiny_study(tmp_path, capsys):
+def _logged(folder: pathlib.Path) -> bool:
+  return any(p.stat().st_size > 0 for p in folder.glob("cells/*/*/metrics.jsonl"))
+
+
+def test_bc_tiny_study(tmp_path, capsys, monkeypatch):
   out = tmp_path / "study"
   c0 = _cpu_s()
-  # A deadline that expires during the first group's first step: checkpoint and stop.
-  assert cli.main(["study", "--config", BC_TINY, "--out", str(out), "--max-minutes", "0.01"]) == 0
+
+  class StopAfterFirstLog(runner._Stop):  # a deadline that falls inside the first unit
+    def __call__(self):
+      self.expired = self.expired or _logged(out)
+      return super().__call__()
+
+  monkeypatch.setattr(runner, "_Stop", StopAfterFirstLog)
+  assert cli.main(["study", "--config", BC_TINY, "--out", str(out), "--max-minutes", "60"]) == 0
+  monkeypatch.undo()
   assert "0 cell(s) trained now, 8 left" in capsys.readouterr().out
   ck = sorted((out / "cells").glob("*/*/checkpoints/*"))
   assert ck and not list((out / "cells").glob("*/*/result.json"))
@@ -62,13 +78,21 @@ def test_bc_tiny_study(tmp_path, capsys):
   assert "0 cell(s) trained now, 0 left" in capsys.readouterr().out
   assert _rows(out) == rows
 
-  # One cell again as an ordinary training run (loop engine), cut by the deadline (the loop
-  # checkpoints and stops) and resumed: the vmapped, interrupted-and-resumed cell matches it.
+  # One cell again as an ordinary training run (loop engine), stopped by SIGTERM (preemption)
+  # after its first logged step (the loop checkpoints; the study exits 143) and resumed: the
+  # vmapped, interrupted-and-resumed cell matches it.
   ref = tmp_path / "ref"
   args = ["study", "--config", BC_TINY, "--out", str(ref), "--set", "engine.kind=loop",
           "--cells", CELL]
-  assert cli.main(args + ["--max-minutes", "0.01"]) == 0
-  assert "0 cell(s) trained now, 1 left" in capsys.readouterr().out
+
+  def preempt():
+    while not _logged(ref):
+      time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  threading.Thread(target=preempt, daemon=True).start()
+  assert cli.main(args) == 143
+  assert "0 cell(s) trained now, 1 left (stopped: SIGTERM/SIGINT" in capsys.readouterr().out
   assert list((ref / "cells" / CELL / "checkpoints").iterdir())
   assert cli.main(args) == 0
   want = _rows(ref)[CELL]
@@ -76,3 +100,23 @@ def test_bc_tiny_study(tmp_path, capsys):
   for k in ("val_loss", "test_loss", "train_loss"):
     assert float(rows[CELL][k]) == pytest.approx(float(want[k]), rel=1e-4), k
   assert json.loads((ref / "cells" / CELL / "summary.json").read_text())["resumed_from"] >= 1
+
+
+def test_deadline_signals_only_the_training_loops_handler():
+  """At the deadline the watcher sends SIGTERM only while another handler (the training
+  loop's) is installed; between cells the flag alone stops the study."""
+  st = runner._Stop(0.0005)  # 30 ms
+  with st:
+    time.sleep(1.5)
+    assert st() and st.signal is None and st.reason() == "deadline"  # no signal was needed
+  got = []
+  st = runner._Stop(0.0005)
+  with st:
+    old = signal.signal(signal.SIGTERM, lambda *a: got.append(a[0]))  # as loop._Signals does
+    try:
+      deadline = time.time() + 5
+      while not got and time.time() < deadline:
+        time.sleep(0.05)
+    finally:
+      signal.signal(signal.SIGTERM, old)
+  assert got == [signal.SIGTERM] and st.reason() == "deadline"
