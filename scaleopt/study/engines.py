@@ -23,12 +23,22 @@ from scaleopt.train.config import TrainConfig
 NAN = float("nan")
 
 
+# Optimizers whose peak learning rate enters only through the final
+# ``scale_by_learning_rate(schedule)`` (checked against ordinary runs in tests/study): the vmap
+# engine may trace it. Optimizers registered elsewhere run on the loop engine.
+LR_LINEAR = ("adamw", "adamw_bc", "muon", "sophia", "sophia_bc", "shampoo", "shampoo_bc")
+# Of those, the ones whose step has no data-dependent branch. Sophia's curvature refresh and
+# Shampoo's statistics / root steps sit under ``lax.cond``; under ``vmap`` the step counter is
+# batched and both branches would run every step, so their cells go one at a time (one compile).
+VMAP_SAFE = ("adamw", "adamw_bc", "muon")
+
+
 def vmap_ok(cfg: TrainConfig) -> bool:
-  """The vmap engine runs on one device and from a fresh initialization (no
-  ``model.init_from``); other cells fall back to the loop engine."""
+  """The vmap engine runs on one device, from a fresh initialization (no ``model.init_from``)
+  and with an optimizer of ``LR_LINEAR``; other cells fall back to the loop engine."""
   m = cfg.mesh
   one = jax.device_count() == 1 or (m.data == 1 and m.fsdp == 1 and m.tensor == 1)
-  return one and not cfg.model.get("init_from")
+  return one and not cfg.model.get("init_from") and cfg.optimizer["name"] in LR_LINEAR
 
 
 def gradient_passes(cfg: TrainConfig, spec, steps: int) -> float:

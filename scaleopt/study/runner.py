@@ -39,10 +39,6 @@ from scaleopt.study import report
 from scaleopt.study.config import Cell, ConfigError, Study
 
 EXIT_OK, EXIT_CONFIG, EXIT_SIGNAL = 0, 2, 143
-# Optimizers whose step has no data-dependent branch. Sophia's curvature refresh and Shampoo's
-# root / statistics steps sit under ``lax.cond``; under ``vmap`` the step counter is batched
-# and both branches would run every step, so their cells go one at a time (still one compile).
-VMAP_SAFE = ("adamw", "adamw_bc", "muon")
 
 
 def cell_dir(out: pathlib.Path, cell: Cell) -> pathlib.Path:
@@ -104,7 +100,7 @@ def conditions(st: Study) -> list[tuple]:
 def units(st: Study, cells: list[Cell], out: pathlib.Path) -> list[list[Cell]]:
   """Cells grouped for execution: with the vmap engine, cells of one compile group (equal
   config up to lr and seed) and equal checkpoint step, at most ``cells_at_once`` per unit
-  (one for optimizers outside ``VMAP_SAFE``); with the loop engine, one cell each."""
+  (one for optimizers outside ``engines.VMAP_SAFE``); with the loop engine, one cell each."""
   from scaleopt.study import engines
   if st.engine == "loop":
     return [[c] for c in cells]
@@ -116,7 +112,8 @@ def units(st: Study, cells: list[Cell], out: pathlib.Path) -> list[list[Cell]]:
   out_units = []
   for (gk, _), cs in groups.items():
     cfg = st.cell_config(cs[0])
-    size = st.cells_at_once if cfg.optimizer["name"] in VMAP_SAFE and engines.vmap_ok(cfg) else 1
+    size = (st.cells_at_once if cfg.optimizer["name"] in engines.VMAP_SAFE
+            and engines.vmap_ok(cfg) else 1)
     out_units += [cs[i:i + size] for i in range(0, len(cs), size)]
   return out_units
 

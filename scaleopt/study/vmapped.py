@@ -18,7 +18,7 @@ with the batch broadcast (``None``) when all cells share a seed. One compile ser
 learning rate and seed of a group, whatever C. C = 1 skips ``vmap`` (same compiled-once step):
 under ``vmap`` a ``lax.cond`` whose predicate is batched runs both branches, so optimizers with
 periodic branches (Sophia's curvature refresh, Shampoo's roots) run one cell at a time
-(``runner.VMAP_SAFE``).
+(``engines.VMAP_SAFE``).
 
 Each cell keeps its own folder in the format of ``scaleopt.train.loop``: ``config.yaml``,
 ``metrics.jsonl``, ``summary.json``, Orbax ``checkpoints/`` with the cell's ``TrainState``

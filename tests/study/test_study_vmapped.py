@@ -64,3 +64,23 @@ def test_vmapped_cells_equal_ordinary_runs_and_share_one_compile(tmp_path):
                              resume_step=None, key="t")
   assert fns.step._cache_size() == 1
   assert res2.status == ["ok", "ok"] and res2.train_loss[0] != res.train_loss[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, extra", [
+    ("sophia_bc", {"mode": "full", "crossfit": "rolling_b", "k": 2}),
+    ("shampoo_bc", {"mode": "full", "crossfit": "rolling_b", "root_every": 2, "graft": "adam"}),
+    ("muon", {}),
+])
+def test_other_optimizers_take_the_learning_rate_linearly(tmp_path, name, extra):
+  """engines.LR_LINEAR: the one-cell vmap path (traced lr on the lr-1 optimizer) follows an
+  ordinary run with the lr in the schedule, refresh / root steps included."""
+  raw = copy.deepcopy(_cfg(1e-2, 1, steps=5).to_dict())
+  raw["optimizer"].update(name=name, extra=extra, learning_rate=2e-3)
+  cfg = C.from_dict(raw)
+  vmapped.train_group([cfg], [tmp_path / "v"], resume_step=None)
+  loop.train(cfg, tmp_path / "ref")
+  got = metrics.read_metrics(tmp_path / "v" / "metrics.jsonl")
+  want = metrics.read_metrics(tmp_path / "ref" / "metrics.jsonl")
+  for k in ("loss", "update_norm"):
+    np.testing.assert_allclose([r[k] for r in got], [r[k] for r in want], rtol=5e-4, err_msg=k)
