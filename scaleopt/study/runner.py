@@ -132,6 +132,7 @@ class _Stop:
     self.deadline = time.time() + 60 * max_minutes if max_minutes else None
     self.signal, self.expired = None, False
     self._old, self._thread, self._done = {}, None, threading.Event()
+    self._lock = threading.Lock()  # no signal once __exit__ has begun restoring handlers
     self._handler = self._handle  # one bound-method object, to recognise it in getsignal
 
   def __enter__(self):
@@ -148,9 +149,12 @@ class _Stop:
       if time.time() < self.deadline:
         continue
       self.expired = True
-      if self._old and signal.getsignal(signal.SIGTERM) is not self._handler:
-        os.kill(os.getpid(), signal.SIGTERM)  # the training loop's handler: checkpoint, stop
-        return
+      with self._lock:
+        if self._done.is_set():
+          return
+        if self._old and signal.getsignal(signal.SIGTERM) is not self._handler:
+          os.kill(os.getpid(), signal.SIGTERM)  # the training loop's handler: checkpoint, stop
+          return
 
   def _handle(self, signum, _frame):
     if not self.expired:
@@ -166,7 +170,8 @@ class _Stop:
     return "deadline" if self() else None
 
   def __exit__(self, *exc):
-    self._done.set()
+    with self._lock:
+      self._done.set()
     for sig, old in self._old.items():
       signal.signal(sig, old)
 
