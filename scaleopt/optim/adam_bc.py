@@ -205,6 +205,26 @@ def adaptive_alpha(g_a: jax.Array, x_b: jax.Array, alpha_max) -> jax.Array:
   return alpha_max * jnp.clip(cos, 0.0, 1.0)
 
 
+def keep_finite(u, pairs, also=None):
+  """Per tensor: where u (or ``also``) is not finite, zero u and keep the old state leaves.
+
+  ``pairs``: ((new, old), ...) state trees. Returns (u, [new trees], number of skipped tensors).
+  """
+  ok = tmap(lambda x: jnp.all(jnp.isfinite(x)), u)
+  if also is not None:
+    ok = tmap(lambda o, a: o & jnp.all(jnp.isfinite(a)), ok, also)
+  pick = lambda new, old: tmap(lambda o, n, p: jnp.where(o, n, p), ok, new, old)
+  skipped = jnp.asarray(sum(jnp.sum(~o) for o in jax.tree.leaves(ok)), jnp.int32)
+  return pick(u, tmap(jnp.zeros_like, u)), [pick(n, o) for n, o in pairs], skipped
+
+
+def _support_clip(u, g, st, v_source, tau):
+  """u_k <- u_k min(1, sqrt(tau (x_k + 1e-12) / (g_Ak^2 + 1e-12))), x the B statistic."""
+  x_b = align(st.b.sq if v_source == "mean_sq" else jax.tree.map(lambda t: t * t, st.b.mean), g)
+  return tmap(lambda u_, x, ga: jnp.where(tau > 0, u_ * jnp.minimum(1.0, jnp.sqrt(
+      tau * (x + 1e-12) / (ga * ga + 1e-12))), u_), u, x_b, g)
+
+
 # ----------------------------------------------------------------------------- transform
 
 class _Hyper(NamedTuple):
@@ -382,10 +402,7 @@ def scale_by_adam_bc(
     g = tmap(lambda x: x.astype(jnp.float32), updates)
     u, m_new, v_new = _directions(h, mode, crossfit, t_bc, g, state, bc_stats)
     if mode in ("cf", "full") and crossfit in ("ab", "rolling_b") and not is_zero(support_clip_tau):
-      x_b = align(bc_stats.b.sq if v_source == "mean_sq" else
-                  jax.tree.map(lambda t: t * t, bc_stats.b.mean), g)
-      u = tmap(lambda u_, x, ga: jnp.where(support_clip_tau > 0, u_ * jnp.minimum(1.0, jnp.sqrt(
-          support_clip_tau * (x + 1e-12) / (ga * ga + 1e-12))), u_), u, x_b, g)
+      u = _support_clip(u, g, bc_stats, v_source, support_clip_tau)
     if not is_zero(update_clip):  # arrays under inject_hyperparams: 0 still means off
       u = tmap(lambda x: jnp.where(update_clip > 0, jnp.clip(x, -update_clip, update_clip), x), u)
     if not is_zero(std_warmup_steps):
@@ -396,11 +413,7 @@ def scale_by_adam_bc(
                          for x, y in zip(w, (u, m_new, v_new)))
     skipped = jnp.zeros([], jnp.int32)
     if skip_nonfinite and mode != "std":
-      ok = tmap(lambda x: jnp.all(jnp.isfinite(x)), u)
-      u, m_new, v_new = (tmap(lambda o, n, old: jnp.where(o, n, old), ok, new, old)
-                         for new, old in ((u, tmap(jnp.zeros_like, u)), (m_new, state.mu),
-                                          (v_new, state.nu)))
-      skipped = jnp.asarray(sum(jnp.sum(~o) for o in jax.tree.leaves(ok)), jnp.int32)
+      u, (m_new, v_new), skipped = keep_finite(u, ((m_new, state.mu), (v_new, state.nu)))
     out = tmap(lambda x, ref: x.astype(ref.dtype), u, updates)
     cast = lambda tr: tmap(lambda x: x.astype(state_dtype), tr)
     return out, ScaleByAdamBCState(count_inc, cast(m_new), cast(v_new), skipped, state.spec, hp())

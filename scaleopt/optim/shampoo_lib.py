@@ -38,6 +38,7 @@ On steps without a root computation an ``ab`` layout feeds M with all microbatch
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -447,6 +448,46 @@ def _direction(g, mu, nu, f, blk, graft, adam, update_clip_fro):
   return u, nu
 
 
+def _validate(*, root_method, graft, stacked, block_size, stats_every, root_every, max_dim,
+              newton_iters, mode, damping):
+  check_choice("root_method", root_method, ROOT_METHODS)
+  check_choice("graft", graft, GRAFTS)
+  check_choice("stacked", stacked, STACKED)
+  for n, v in (("block_size", block_size), ("stats_every", stats_every),
+               ("root_every", root_every), ("max_dim", max_dim), ("newton_iters", newton_iters)):
+    _check_int(n, v)
+  if mode in ("inv", "full") and root_method != "eigh":
+    raise ValueError(f"mode={mode!r} corrects eigenvalues; root_method must be 'eigh'")
+  if isinstance(damping, (int, float)) and not damping > 0:
+    raise ValueError(f"damping={damping!r} must be > 0")
+
+
+def _eligible(x, excl, stack_sizes, *, stacked, min_dim, max_dim) -> bool:
+  nd = jnp.ndim(x)
+  if excl or nd < 2 or (nd > 2 and stacked == "none"):
+    return False
+  if nd == 2 and stacked == "auto" and x.shape[0] in stack_sizes:
+    return False  # a stack of vectors (e.g. per-layer norm scales)
+  return min(x.shape[-2:]) >= min_dim and max(x.shape[-2:]) <= max_dim
+
+
+def _all_directions(orig_l, g_l, mu_l, nu_l, fac, blk, t, hp):
+  """Momentum, Adam second moment and direction of every tensor (flattened lists): matrices
+  with factors use b1 and P_L M P_R, fallback tensors adam_b1 and Adam."""
+  out_u, out_mu, out_nu = list(g_l), list(mu_l), list(nu_l)
+  for i, g in enumerate(g_l):
+    if _is_masked(g):
+      continue
+    f = fac.get(str(i))
+    b1_i = hp["b1"] if f is not None else hp["ab1"]
+    out_mu[i] = b1_i * mu_l[i] + (1 - b1_i) * g
+    adam = (1.0 - b1_i ** t, hp["ab2"], 1.0 - hp["ab2"] ** t, hp["eps"])
+    u, out_nu[i] = _direction(g, out_mu[i], nu_l[i], f, blk.get(str(i)), hp["graft"], adam,
+                              hp["update_clip_fro"])
+    out_u[i] = u.astype(orig_l[i].dtype)
+  return out_u, out_mu, out_nu
+
+
 def scale_by_shampoo(
     b1: float = 0.9,
     b2: float = 0.95,
@@ -500,16 +541,9 @@ def scale_by_shampoo(
     correction_scale: multiplies the (5/32) lam^{-9/4} Var term.
   """
   spec = shampoo_collector_spec(mode, crossfit, root_every, block_size)
-  check_choice("root_method", root_method, ROOT_METHODS)
-  check_choice("graft", graft, GRAFTS)
-  check_choice("stacked", stacked, STACKED)
-  for n, v in (("block_size", block_size), ("stats_every", stats_every),
-               ("root_every", root_every), ("max_dim", max_dim), ("newton_iters", newton_iters)):
-    _check_int(n, v)
-  if mode in ("inv", "full") and root_method != "eigh":
-    raise ValueError(f"mode={mode!r} corrects eigenvalues; root_method must be 'eigh'")
-  if isinstance(damping, (int, float)) and not damping > 0:
-    raise ValueError(f"damping={damping!r} must be > 0")
+  _validate(root_method=root_method, graft=graft, stacked=stacked, block_size=block_size,
+            stats_every=stats_every, root_every=root_every, max_dim=max_dim,
+            newton_iters=newton_iters, mode=mode, damping=damping)
   ab1 = b1 if adam_b1 is None else adam_b1
   ab2 = b2 if adam_b2 is None else adam_b2
   hp = lambda: {k: jnp.asarray(v, jnp.float32) for k, v in
@@ -517,13 +551,7 @@ def scale_by_shampoo(
   root_kw = dict(root_method=root_method, damping=damping, floor=eig_floor_ratio * damping,
                  newton_iters=newton_iters, correction_scale=correction_scale, d_max=d_max)
 
-  def eligible(x, excl, stack_sizes) -> bool:
-    nd = jnp.ndim(x)
-    if excl or nd < 2 or (nd > 2 and stacked == "none"):
-      return False
-    if nd == 2 and stacked == "auto" and x.shape[0] in stack_sizes:
-      return False  # a stack of vectors (e.g. per-layer norm scales)
-    return min(x.shape[-2:]) >= min_dim and max(x.shape[-2:]) <= max_dim
+  eligible = functools.partial(_eligible, stacked=stacked, min_dim=min_dim, max_dim=max_dim)
 
   def init_fn(params):
     mu, nu, factors = _init(params, exclude, eligible, block_size, graft)
@@ -556,18 +584,9 @@ def scale_by_shampoo(
         f, keys, pre.stat_L, pre.stat_R, b2), keys, pre, **root_kw)
     if keys:
       fac = jax.lax.cond(is_root, do_roots, lambda f: f, fac)
-    t = count_inc.astype(jnp.float32)
-    out_u, out_mu, out_nu = list(g_l), list(mu_l), list(nu_l)
-    for i, g in enumerate(g_l):
-      if _is_masked(g):
-        continue
-      f = fac.get(str(i))
-      b1_i = b1 if f is not None else ab1
-      out_mu[i] = b1_i * mu_l[i] + (1 - b1_i) * g
-      adam = (1.0 - b1_i ** t, ab2, 1.0 - ab2 ** t, eps)
-      u, out_nu[i] = _direction(g, out_mu[i], nu_l[i], f, blk.get(str(i)), graft, adam,
-                                update_clip_fro)
-      out_u[i] = u.astype(orig_l[i].dtype)
+    out_u, out_mu, out_nu = _all_directions(
+        orig_l, g_l, mu_l, nu_l, fac, blk, count_inc.astype(jnp.float32),
+        dict(b1=b1, ab1=ab1, ab2=ab2, eps=eps, graft=graft, update_clip_fro=update_clip_fro))
     un = lambda l: jax.tree.unflatten(td, l)
     return un(out_u), ScaleByShampooState(count_inc, un(out_mu), un(out_nu), fac, state.spec,
                                           hp())

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import optax
 
 from scaleopt.optim import delta, gnb
-from scaleopt.optim.adam_bc import check_choice, tmap, unzip
+from scaleopt.optim.adam_bc import check_choice, keep_finite, tmap, unzip
 from scaleopt.optim.collect import (BCStats, CollectorSpec, Static, align, clip_factor,
                                     refresh_groups, register_bc_state, register_estimator,
                                     value_and_grad_fn, welford_add, welford_init,
@@ -299,11 +299,8 @@ def scale_by_sophia(
       u = tmap(lambda x: jnp.clip(x, -clip, clip), u)
     skipped = jnp.zeros([], jnp.int32)
     if skip_nonfinite:
-      ok = tmap(lambda x, i: jnp.all(jnp.isfinite(x)) & jnp.all(jnp.isfinite(i)), u, inv_new)
-      keep = lambda new, old: tmap(lambda o, n, p: jnp.where(o, n, p), ok, new, old)
-      u = keep(u, tmap(jnp.zeros_like, u))
-      mu, h_new, inv_new = keep(mu, state.mu), keep(h_new, state.h), keep(inv_new, state.inv)
-      skipped = jnp.asarray(sum(jnp.sum(~o) for o in jax.tree.leaves(ok)), jnp.int32)
+      u, (mu, h_new, inv_new), skipped = keep_finite(
+          u, ((mu, state.mu), (h_new, state.h), (inv_new, state.inv)), also=inv_new)
     out = tmap(lambda x, g: x.astype(g.dtype), u, updates)
     return out, ScaleBySophiaState(count_inc, mu, h_new, inv_new, skipped, state.spec, {})
 

@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS, SEQ, BATCH, M = 200, 32, 16, 2
 # one layer of width 128: wide enough that the large-model learning rates (6e-4) reach the
 # unigram entropy within STEPS (a narrower model needs ~5x the steps at that rate)
-MODEL = {"preset": "tiny", "dtype": "float32", "d_model": 128, "n_layers": 1, "d_ff": 256}
+MODEL = {"preset": "tiny", "dtype": "float32", "d_model": 128, "n_layers": 1, "d_ff": 128}
 
 
 def _sections():
