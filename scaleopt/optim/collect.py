@@ -89,7 +89,8 @@ class BCStats(NamedTuple):
   Attributes:
     numerator: the gradient the Optax chain receives as ``updates``: group A's mean for the
       A/B layouts, the full-batch mean otherwise.
-    full: mean gradient over the step's own microbatches (every microbatch; A for rolling_b).
+    full: mean gradient over the step's own microbatches (every microbatch; A for rolling_b
+      and, on Sophia's refresh steps of the ab layout, the numerator group A).
     a: numerator group (A); for layout ``all`` the single group.
     b: preconditioner group (B); for layout ``all`` the same object as ``a``.
     loo: leave-one-out fold statistics (layout ``loo`` only).
