@@ -135,12 +135,13 @@ def _check_optimizer(opt: Any, steps: int) -> dict:
   name the key); fills ``schedule.total_steps`` with ``run.steps`` when absent."""
   if not isinstance(opt, dict):
     raise ConfigError(f"config section 'optimizer' must be a mapping with 'name', got {opt!r}")
+  from scaleopt.optim import names  # shipped names plus user-registered ones
   if "name" not in opt:
     raise ConfigError("config section 'optimizer' needs 'name'; allowed names: "
-                      f"{OPTIMIZERS}")
-  if opt["name"] not in OPTIMIZERS:
+                      f"{names()}")
+  if opt["name"] not in names():
     raise ConfigError(f"config key 'optimizer.name'={opt['name']!r} is not allowed; choose "
-                      f"one of {OPTIMIZERS}")
+                      f"one of {names()}")
   opt = dict(opt)
   sched = opt.get("schedule")
   if sched is None:
