@@ -310,7 +310,6 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
   s = s or setup(cfg)
   r, d = cfg.run, cfg.data
   is_main = jax.process_index() == 0
-  ckpt_dir = out / "checkpoints"
   n_eval, warn = data.fit_eval_batches(s.val_w, d.batch_size, r.eval_batches)
   if warn and is_main:
     print(f"warning: {warn}", file=sys.stderr)
@@ -329,28 +328,8 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
       return float("nan")
     return float(np.mean(jax.device_get([fns.eval_step(params, b) for b in evals])))
 
-  # State: the newest intact checkpoint (newer broken ones are moved aside), or fresh.
   health = jax.jit(lambda st: (st.consec, optax.tree.norm(st.params)))
-  found = None
-  if resume and ckpt_dir.is_dir():
-    ckpt = checkpoint.Checkpointer(ckpt_dir, r.keep_checkpoints, r.async_checkpoint)
-    found = ckpt.restore_latest(checkpoint.abstract(fns.state_shape, fns.state_sh))
-  _start_outputs(cfg, out, found is not None)
-  if found is not None:
-    start, state, dstate = found
-    it.restore(dstate)
-    print(f"resumed from {ckpt_dir}/{start}", file=sys.stderr)
-  else:
-    if resume:
-      print(f"no checkpoint in {ckpt_dir}; starting from scratch", file=sys.stderr)
-    start = None
-    if s.model.init_from:  # a fresh run from given parameters, fresh optimizer state
-      state = fns.init_with(convert.init_params(s.model.init_from, s.model.cfg,
-                                                fns.state_sh.params))
-    else:
-      state = fns.init()
-    ckpt = checkpoint.Checkpointer(ckpt_dir, r.keep_checkpoints, r.async_checkpoint,
-                                   init_norm=float(health(state)[1]))
+  start, state, ckpt = _restore_or_init(cfg, s, fns, it, out, resume, health)
   step0 = int(jax.device_get(state.step))
   if is_main and changes:
     config_lib.record_changes(out, changes, step0)
@@ -381,20 +360,52 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
       metrics.plot_curves({cfg.optimizer["name"]: metrics.read_metrics(out / "metrics.jsonl")},
                           out / "loss.png", title=f"{s.model.cfg.d_model}d x "
                           f"{s.model.cfg.n_layers}L, {cfg.optimizer['name']}")
+  _raise_for_stop(res, ckpt, r.max_consecutive_skips)
+  return summary
+
+
+def _restore_or_init(cfg: TrainConfig, s: Setup, fns: Compiled, it: data.Batches,
+                     out: pathlib.Path, resume: bool, health):
+  """(resumed step or None, state, Checkpointer): the newest intact checkpoint (newer broken
+  ones are moved aside) or a fresh state; starts the run's outputs."""
+  r, ckpt_dir = cfg.run, out / "checkpoints"
+  found = None
+  if resume and ckpt_dir.is_dir():
+    ckpt = checkpoint.Checkpointer(ckpt_dir, r.keep_checkpoints, r.async_checkpoint)
+    found = ckpt.restore_latest(checkpoint.abstract(fns.state_shape, fns.state_sh))
+  _start_outputs(cfg, out, found is not None)
+  if found is not None:
+    start, state, dstate = found
+    it.restore(dstate)
+    print(f"resumed from {ckpt_dir}/{start}", file=sys.stderr)
+    return start, state, ckpt
+  if resume:
+    print(f"no checkpoint in {ckpt_dir}; starting from scratch", file=sys.stderr)
+  if s.model.init_from:  # a fresh run from given parameters, fresh optimizer state
+    state = fns.init_with(convert.init_params(s.model.init_from, s.model.cfg,
+                                              fns.state_sh.params))
+  else:
+    state = fns.init()
+  ckpt = checkpoint.Checkpointer(ckpt_dir, r.keep_checkpoints, r.async_checkpoint,
+                                 init_norm=float(health(state)[1]))
+  return None, state, ckpt
+
+
+def _raise_for_stop(res: _Outcome, ckpt: checkpoint.Checkpointer, max_skips: int) -> None:
+  """Interrupted after a signal, SkipLimit after a non-finite stop (naming what was kept)."""
+  d = ckpt.dir
   if res.interrupted is not None:
     raise Interrupted(f"{res.interrupted} at step {res.done}: the state is checkpointed in "
-                      f"{ckpt_dir}/{res.done}; continue with --resume")
+                      f"{d}/{res.done}; continue with --resume")
   if res.stopped is not None:
     good = ckpt.last_good_step()
-    where = (f"the state at the stop is checkpointed in {ckpt_dir}/{res.done}" if res.stop_saved
+    where = (f"the state at the stop is checkpointed in {d}/{res.done}" if res.stop_saved
              else f"the state at the stop is not saved (its parameter norm grew more than "
              f"{checkpoint.GROWTH:g}x)")
-    keep = (f"; the newest checkpoint from before the trouble, {ckpt_dir}/{good}, is kept"
+    keep = (f"; the newest checkpoint from before the trouble, {d}/{good}, is kept"
             if good is not None else "")
-    raise SkipLimit(f"stopped at step {res.done}: {r.max_consecutive_skips} consecutive steps "
-                    f"had a non-finite loss or update (parameters were left untouched); "
-                    f"{where}{keep}")
-  return summary
+    raise SkipLimit(f"stopped at step {res.done}: {max_skips} consecutive steps had a "
+                    f"non-finite loss or update (parameters were left untouched); {where}{keep}")
 
 
 def _flops(cfg: TrainConfig, s: Setup) -> tuple[float, Optional[float]]:

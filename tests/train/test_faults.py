@@ -274,6 +274,17 @@ def test_resume_refuses_incompatible_change(ref, tmp_path, capsys, override, key
   assert _snapshot(run) == before  # nothing touched, config.yaml included
 
 
+def test_resume_without_checkpoints_may_change_anything(ref, tmp_path):
+  run = tmp_path / "run"
+  run.mkdir()
+  shutil.copy(ref[1] / "config.yaml", run / "config.yaml")  # killed before its first save
+  cfg = C.from_dict(tiny_raw(run={"seed": 5}))
+  assert loop.check_out_dir(cfg, run, resume=True) == {}
+  (run / "checkpoints" / "4").mkdir(parents=True)
+  with pytest.raises(C.ConfigError, match="run.seed"):
+    loop.check_out_dir(cfg, run, resume=True)
+
+
 def test_resume_with_resumable_change_is_recorded(ref, tmp_path, capsys):
   run = _copy(ref, tmp_path)
   original = (run / "config.yaml").read_bytes()
