@@ -322,6 +322,9 @@ def test_shard_tokens_outside_vocabulary(tmp_path, capsys):
     with pytest.raises(D.DataError, match="position 3100,"):
       D.check_token_range(raw, 256, "x", chunk=chunk)
   D.check_token_range(raw, 301, "x", chunk=7)
+  D.check_token_range(np.array([0, 255], np.uint16), 256, "x")  # ids are 0 .. vocab_size - 1
+  with pytest.raises(D.DataError, match="token 256 at position 2,"):
+    D.check_token_range(np.array([0, 255, 256], np.uint16), 256, "x")
   cfg = tmp_path / "c.yaml"
   cfg.write_text(yaml.safe_dump(tiny_raw(data={"source": "shards", "path": str(d)})))
   rc, err = _cli(capsys, "train", "--config", cfg, "--out", tmp_path / "run")
