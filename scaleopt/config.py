@@ -33,6 +33,7 @@ import importlib.resources
 import math
 import pathlib
 import re
+import types
 import typing
 from typing import Any, Callable, Literal, Optional, Sequence, Union
 
@@ -224,7 +225,7 @@ def _describe(tp: Any) -> str:
   origin = typing.get_origin(tp)
   if origin is Literal:
     return "one of " + ", ".join(map(str, typing.get_args(tp)))
-  if origin is Union:
+  if origin in (Union, types.UnionType):
     return " or ".join(_describe(a) for a in typing.get_args(tp))
   if origin in (list, tuple):
     return f"a list of {_describe(typing.get_args(tp)[0])}s"
@@ -238,7 +239,7 @@ def convert(value: Any, tp: Any, key: str, meta: Optional[dict] = None) -> Any:
   mapping becomes its dataclass. Raises ConfigError naming ``key``."""
   meta = meta or {}
   origin = typing.get_origin(tp)
-  if origin is Union:
+  if origin in (Union, types.UnionType):
     args = typing.get_args(tp)
     if value is None and type(None) in args:
       return None

@@ -9,9 +9,11 @@ A config file has five sections (every key optional except ``optimizer.name``)::
   mesh:       data / fsdp / tensor axis sizes, multi-host initialization
 
 ``load_config(path, overrides)`` applies ``a.b=value`` overrides (values parsed as YAML) to
-the raw mapping, then validates every key and value; an error names the dotted key and what
-is allowed. Model and optimizer sections are checked by building their (pure Python) config
-objects, so every error comes before anything compiles.
+the raw mapping, then validates every key and value with the shared schema mechanism of
+``scaleopt.config`` (one error type, one override parser): run, data and mesh are dataclasses
+here; every model key is typed by ``scaleopt.models.ModelConfig``'s field of that name (then the
+preset and variant are resolved); the optimizer section is checked by building the optimizer
+(pure Python), so every error comes before anything compiles.
 """
 
 from __future__ import annotations
@@ -20,32 +22,33 @@ import dataclasses
 import json
 import math
 import pathlib
-import re
 import time
 import typing
 from typing import Any, Literal, Optional
 
 import yaml
 
+from scaleopt.config import (ConfigError, apply_overrides as _apply_overrides, check_keys,
+                             convert, fail, numbers, parse, read_yaml, spec, to_dict,
+                             yaml_error)
+
 SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "adamw_bc", "sophia", "sophia_bc", "shampoo", "shampoo_bc", "muon")
 WD_POLICIES = ("iwd", "all", "matrices-only")
-
-
-from scaleopt.config import ConfigError  # noqa: E402  (the one config error type)
+_numbers = numbers  # the old private name
 
 
 @dataclasses.dataclass
 class RunConfig:
   seed: int = 0
-  steps: int = 200
-  log_every: int = 10
-  eval_every: int = 100  # 0: only at the end
-  eval_batches: int = 4  # batches of data.batch_size sequences per eval
-  checkpoint_every: int = 100  # 0: only at the end
-  keep_checkpoints: int = 3
+  steps: int = spec(200, gt=0)
+  log_every: int = spec(10, gt=0)
+  eval_every: int = spec(100, min=0)  # 0: only at the end
+  eval_batches: int = spec(4, min=0)  # batches of data.batch_size sequences per eval
+  checkpoint_every: int = spec(100, min=0)  # 0: only at the end
+  keep_checkpoints: int = spec(3, gt=0)
   async_checkpoint: bool = True
-  max_consecutive_skips: int = 5  # non-finite steps in a row before the run stops
+  max_consecutive_skips: int = spec(5, gt=0)  # non-finite steps in a row before the run stops
   progress: bool = True  # tqdm bar on the terminal
   tensorboard: bool = True
   plot: bool = True  # loss-curve PNG at the end
@@ -58,16 +61,16 @@ class RunConfig:
 class DataConfig:
   source: Literal["embedded", "shards"] = "embedded"
   path: Optional[str] = None  # shard directory for source=shards
-  seq_len: int = 128
-  batch_size: int = 32  # sequences per step (per group for the A/B layout)
-  microbatches: int = 4  # microbatches per group; batch_size must be divisible by it
+  seq_len: int = spec(128, gt=0)
+  batch_size: int = spec(32, gt=0)  # sequences per step (per group for the A/B layout)
+  microbatches: int = spec(4, gt=0)  # microbatches per group; batch_size must be divisible by it
 
 
 @dataclasses.dataclass
 class MeshConfig:
   data: int = -1  # -1: every device not used by fsdp x tensor
-  fsdp: int = 1
-  tensor: int = 1
+  fsdp: int = spec(1, gt=0)
+  tensor: int = spec(1, gt=0)
   distributed: Literal["auto", "on", "off"] = "auto"  # jax.distributed.initialize
 
 
@@ -75,59 +78,15 @@ class MeshConfig:
 class TrainConfig:
   run: RunConfig
   data: DataConfig
-  model: dict  # preset + ModelConfig fields + wd_policy (validated by bridge.model_config)
+  model: dict  # preset + ModelConfig fields + wd_policy (each typed by ModelConfig's field)
   optimizer: dict  # validated here (common keys) and by scaleopt.optim.build
   mesh: MeshConfig
 
   def to_dict(self) -> dict:
-    return dataclasses.asdict(self)
+    return to_dict(self)
 
 
 _SECTIONS = {"run": RunConfig, "data": DataConfig, "mesh": MeshConfig}
-
-
-def _type_ok(value: Any, tp: Any) -> bool:
-  origin = typing.get_origin(tp)
-  if origin is typing.Union:
-    return any(_type_ok(value, a) for a in typing.get_args(tp))
-  if origin is Literal:
-    return value in typing.get_args(tp)
-  if tp is type(None):
-    return value is None
-  if tp is bool:
-    return isinstance(value, bool)
-  if tp is int:
-    return isinstance(value, int) and not isinstance(value, bool)
-  if tp is float:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-  return isinstance(value, tp)
-
-
-def _describe(tp: Any) -> str:
-  origin = typing.get_origin(tp)
-  if origin is Literal:
-    return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-  if origin is typing.Union:
-    return " or ".join(_describe(a) for a in typing.get_args(tp))
-  return "null" if tp is type(None) else tp.__name__
-
-
-def _section(name: str, cls: type, raw: Any):
-  if raw is None:
-    raw = {}
-  if not isinstance(raw, dict):
-    raise ConfigError(f"config section '{name}' must be a mapping, got {raw!r}")
-  hints = typing.get_type_hints(cls)
-  fields = {f.name for f in dataclasses.fields(cls)}
-  for k, v in raw.items():
-    if k not in fields:
-      raise ConfigError(f"unknown config key '{name}.{k}'; allowed keys in '{name}': "
-                        f"{sorted(fields)}")
-    if not _type_ok(v, hints[k]):
-      raise ConfigError(f"config key '{name}.{k}'={v!r} is not allowed; expected "
-                        f"{_describe(hints[k])}")
-  kw = {k: (float(v) if hints[k] is float and v is not None else v) for k, v in raw.items()}
-  return cls(**kw)
 
 
 def _check_optimizer(opt: Any, steps: int) -> dict:
@@ -159,23 +118,35 @@ def _check_optimizer(opt: Any, steps: int) -> dict:
   return opt
 
 
+@dataclasses.dataclass
+class ModelKeys:
+  """The model-section keys that are not ``ModelConfig`` fields."""
+  preset: str = "tiny"
+  variant: Optional[str] = None  # a scale-vector variant name
+  wd_policy: Literal[WD_POLICIES] = "matrices-only"
+  init_from: Optional[str] = None  # parameters to start from (scaleopt.train.convert)
+
+
 def _check_model(model: Any) -> dict:
+  """Every key typed (ModelKeys, else the ModelConfig field of that name), then the preset,
+  variant and overrides resolved by ``bridge.model_config`` (which checks their values)."""
+  from scaleopt import models
   if not isinstance(model, dict):
-    raise ConfigError(f"config section 'model' must be a mapping, got {model!r}")
-  if model.get("wd_policy", "matrices-only") not in WD_POLICIES:
-    raise ConfigError(f"config key 'model.wd_policy'={model['wd_policy']!r} is not allowed; "
-                      f"choose one of {WD_POLICIES}")
+    raise fail("model", model, "expected a mapping of keys")
+  fields = {f.name: f for f in dataclasses.fields(models.ModelConfig)}
+  own = {f.name for f in dataclasses.fields(ModelKeys)}
+  check_keys(model, sorted(own | set(fields)), "model")
+  hints = typing.get_type_hints(models.ModelConfig)
+  out = to_dict(parse(ModelKeys, {k: v for k, v in model.items() if k in own}, "model"))
+  out = {k: v for k, v in out.items() if k in model}
+  typed = {k: convert(v, hints[k], f"model.{k}") for k, v in model.items() if k not in own}
+  out.update({k: list(v) if isinstance(v, tuple) else v for k, v in typed.items()})
   from scaleopt.train.bridge import model_config
   try:
-    model_config(model)
+    model_config(out)
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config section 'model': {e}") from None
-  return dict(model)
-
-
-def _positive(key: str, value: int, allow_zero: bool = False):
-  if value < 0 or (value == 0 and not allow_zero):
-    raise ConfigError(f"config key '{key}'={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+  return {k: out[k] for k in model}
 
 
 def _check_finite(node: Any, key: str = "") -> None:
@@ -194,97 +165,32 @@ def from_dict(raw: dict) -> TrainConfig:
   """Validates a raw mapping (as loaded from YAML) and returns a TrainConfig."""
   if not isinstance(raw, dict):
     raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
-  allowed = set(_SECTIONS) | {"model", "optimizer"}
-  for k in raw:
-    if k not in allowed:
-      raise ConfigError(f"unknown config section '{k}'; allowed: {sorted(allowed)}")
+  check_keys(raw, sorted(set(_SECTIONS) | {"model", "optimizer"}), "")
   _check_finite(raw)
-  secs = {k: _section(k, cls, raw.get(k)) for k, cls in _SECTIONS.items()}
+  secs = {k: parse(cls, raw.get(k), k) for k, cls in _SECTIONS.items()}
   r, d, m = secs["run"], secs["data"], secs["mesh"]
-  for k in ("steps", "log_every", "keep_checkpoints", "max_consecutive_skips"):
-    _positive(f"run.{k}", getattr(r, k))
-  for k in ("eval_every", "checkpoint_every", "eval_batches"):
-    _positive(f"run.{k}", getattr(r, k), allow_zero=True)
-  for k in ("seq_len", "batch_size", "microbatches"):
-    _positive(f"data.{k}", getattr(d, k))
   if d.batch_size % d.microbatches:
     raise ConfigError(f"config key 'data.batch_size'={d.batch_size} must be divisible by "
                       f"'data.microbatches'={d.microbatches}")
   if d.source == "shards" and not d.path:
     raise ConfigError("config key 'data.path' is required when data.source='shards' (a "
                       "directory written by `scaleopt data prepare`)")
-  for k in ("fsdp", "tensor"):
-    _positive(f"mesh.{k}", getattr(m, k))
-  if m.data != -1:
-    _positive("mesh.data", m.data)
+  if m.data != -1 and m.data <= 0:
+    raise fail("mesh.data", m.data, "must be > 0 or -1 (every device not used by fsdp x tensor)")
   model = _check_model(raw.get("model") or {})
   opt = _check_optimizer(raw.get("optimizer"), r.steps)
   return TrainConfig(model=model, optimizer=opt, **secs)
 
 
-def yaml_error(e: yaml.YAMLError) -> str:
-  """A YAML error on one line: where (1-based line and column) and what."""
-  mark = getattr(e, "problem_mark", None)
-  what = getattr(e, "problem", None) or " ".join(str(e).split())
-  return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark else what
-
-
-def _parse_override(item: str) -> tuple[list[str], Any]:
-  if "=" not in item:
-    raise ConfigError(f"override {item!r} must look like section.key=value")
-  key, value = item.split("=", 1)
-  path = key.strip().split(".")
-  if len(path) < 2 or not all(path):
-    raise ConfigError(f"override key {key!r} must be dotted, e.g. optimizer.learning_rate")
-  try:
-    parsed = yaml.safe_load(value)
-  except yaml.YAMLError as e:
-    raise ConfigError(f"override {item!r}: value is not valid YAML ({yaml_error(e)})") from None
-  return path, _numbers(parsed)
-
-
-_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
-
-
-def _numbers(x: Any) -> Any:
-  """YAML 1.1 reads ``1e-4`` as a string; read such strings as floats."""
-  if isinstance(x, str) and _FLOAT.match(x):
-    return float(x)
-  if isinstance(x, dict):
-    return {k: _numbers(v) for k, v in x.items()}
-  if isinstance(x, list):
-    return [_numbers(v) for v in x]
-  return x
-
-
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-  """Sets ``a.b.c=value`` in a copy of ``raw`` (validation happens in ``from_dict``)."""
-  import copy
-  out = copy.deepcopy(raw)
-  for item in overrides or []:
-    path, value = _parse_override(item)
-    node = out
-    for p in path[:-1]:
-      nxt = node.get(p)
-      if nxt is None:
-        nxt = node[p] = {}
-      if not isinstance(nxt, dict):
-        raise ConfigError(f"override {item!r}: '{p}' is a value, not a section")
-      node = nxt
-    node[path[-1]] = value
-  return out
+  """Sets ``section.key=value`` in a copy of ``raw`` (validation happens in ``from_dict``)."""
+  return _apply_overrides(raw, overrides, min_depth=2)
 
 
 def load_config(path: str | pathlib.Path, overrides: list[str] | None = None) -> TrainConfig:
   """Reads a YAML config, applies dotted overrides and validates."""
-  p = pathlib.Path(path)
-  if not p.is_file():
-    raise ConfigError(f"config file {str(p)!r} does not exist")
-  try:
-    raw = yaml.safe_load(p.read_text()) or {}
-  except yaml.YAMLError as e:
-    raise ConfigError(f"config file {str(p)!r} is not valid YAML: {yaml_error(e)}") from None
-  return from_dict(apply_overrides(_numbers(raw), overrides or []))
+  raw = read_yaml(path)
+  return from_dict(apply_overrides({} if raw is None else raw, overrides or []))
 
 
 def dump_config(cfg: TrainConfig, path: str | pathlib.Path) -> None:

@@ -40,7 +40,7 @@ def test_overrides_parse_as_yaml_and_nest(tmp_path):
     ({"run": {"stepz": 3}}, ["run.stepz", "steps"]),
     ({"run": {"steps": "many"}}, ["run.steps", "int"]),
     ({"run": {"steps": 0}}, ["run.steps", "> 0"]),
-    ({"data": {"source": "web"}}, ["data.source", "'embedded'", "'shards'"]),
+    ({"data": {"source": "web"}}, ["data.source", "embedded", "shards"]),
     ({"data": {"batch_size": 10, "microbatches": 4}}, ["data.batch_size", "microbatches"]),
     ({"data": {"source": "shards"}}, ["data.path"]),
     ({"optimizer": {"name": "adamq"}}, ["optimizer.name", "adamw_bc"]),
