@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import runpy
 import sys
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _config(args: argparse.Namespace, kind: str) -> str | None:
@@ -47,8 +44,16 @@ def _print_config(path: str, overrides: list[str]) -> int:
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  import dataclasses
+
+  from scaleopt.config import to_dict
+  from scaleopt.train.bridge import model_config
   print(f"# resolved from {path}" + (f" with {' '.join(overrides)}" if overrides else ""))
   print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+  built = to_dict(dataclasses.asdict(model_config(cfg.model)))
+  print("# the model as built (scaleopt.models.ModelConfig: preset, variant, overrides):")
+  print("".join(f"#   {l}\n" for l in yaml.safe_dump(built, sort_keys=False).splitlines()),
+        end="")
   return 0
 
 
@@ -104,8 +109,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _bias_study(args: argparse.Namespace) -> int:
-  study = runpy.run_path(str(ROOT / "experiments" / "bias_reduction" / "study.py"))
-  return study["main"](["--out", args.out] + (["--quick"] if args.quick else [])) or 0
+  from scaleopt.optim import bias_study
+
+  return bias_study.main(["--out", args.out] + (["--quick"] if args.quick else [])) or 0
 
 
 def _run_default(args: argparse.Namespace) -> int:
@@ -127,8 +133,9 @@ def _run_default(args: argparse.Namespace) -> int:
   if sweep_demo is not None:
     sweep_demo(out)
     ran.append("sweep")
-  study = runpy.run_path(str(ROOT / "experiments" / "bias_reduction" / "study.py"))
-  study["main"](["--out", str(out / "bias_reduction.md"), "--quick"])
+  from scaleopt.optim import bias_study
+
+  bias_study.main(["--out", str(out / "bias_reduction.md"), "--quick"])
   ran.append("bias-study")
   print(f"\nmake run finished: {', '.join(ran)}; outputs in {out}/")
   return 0

@@ -228,7 +228,8 @@ def _describe(tp: Any) -> str:
   if origin in (Union, types.UnionType):
     return " or ".join(_describe(a) for a in typing.get_args(tp))
   if origin in (list, tuple):
-    return f"a list of {_describe(typing.get_args(tp)[0])}s"
+    inner = _describe(typing.get_args(tp)[0])
+    return f"a list of {inner.split(' ', 1)[1] if inner.startswith(('a ', 'an ')) else inner}s"
   return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
           dict: "a mapping", type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
 
@@ -287,7 +288,7 @@ def convert(value: Any, tp: Any, key: str, meta: Optional[dict] = None) -> Any:
       raise fail(key, value, "expected a finite number")
   elif tp is Any:
     return value
-  elif not isinstance(value, tp):
+  elif not isinstance(value, origin or tp):
     raise fail(key, value, f"expected {_describe(tp)}")
   lo, gt = meta.get("min"), meta.get("gt")
   if lo is not None and value < lo:

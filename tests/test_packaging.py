@@ -7,6 +7,7 @@ The wheel is built offline (``pip wheel --no-deps --no-build-isolation``) and in
 
 import os
 import pathlib
+import re
 import site
 import subprocess
 import sys
@@ -75,11 +76,22 @@ def test_package_list_covers_every_subpackage():
   assert listed == found | {"scaleopt.configs"}
 
 
+def test_no_private_modules_of_dependencies_imported():
+  """e.g. ``optax.contrib._muon``: private paths change without notice between releases."""
+  pat = re.compile(r"^\s*(from|import)\s+(jax|jaxlib|optax|flax|orbax|chex|tensorboardX|"
+                   r"tokenizers|safetensors)(\.\w+)*\._[a-z]", re.M)
+  hits = [f"{p.relative_to(REPO)}: {m.group(0).strip()}" for p in (REPO / "scaleopt").rglob("*.py")
+          for m in pat.finditer(p.read_text())]
+  assert not hits
+  assert "runpy" not in (REPO / "scaleopt" / "cli.py").read_text()
+
+
 def test_wheel_contents(wheel):
   names = zipfile.ZipFile(wheel).namelist()
   assert sorted(n.removeprefix("scaleopt/configs/") for n in names
                 if n.startswith("scaleopt/configs/") and n.endswith(".yaml")) == SHIPPED
   assert not [n for n in names if n.startswith(("experiments/", "tests/", "configs/", "docs/"))]
+  assert "scaleopt/optim/bias_study.py" in names  # the CLI imports it (nothing runs by path)
   meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
   assert "License-Expression: Apache-2.0" in meta
   assert "Requires-Python: >=3.11" in meta
@@ -138,6 +150,10 @@ def test_installed_wheel_trains_tiny(installed, tmp_path):
            tmp_path, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert (tmp_path / "run" / "metrics.jsonl").is_file()
+  r = _run([installed / "scaleopt", "bias-study", "--quick", "--trials", "200", "--out", "b.md"],
+           tmp_path, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "bias-study:begin" in (tmp_path / "b.md").read_text()
 
 
 def test_editable_install_resolves_names(tmp_path):

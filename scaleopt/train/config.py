@@ -29,11 +29,9 @@ from typing import Any, Literal, Optional
 import yaml
 
 from scaleopt.config import (ConfigError, apply_overrides as _apply_overrides, check_keys,
-                             convert, fail, numbers, parse, read_yaml, spec, to_dict,
+                             choice, convert, fail, numbers, parse, read_yaml, spec, to_dict,
                              yaml_error)
 
-SCHEDULES = ("cosine", "wsd", "constant")
-OPTIMIZERS = ("adamw", "adamw_bc", "sophia", "sophia_bc", "shampoo", "shampoo_bc", "muon")
 WD_POLICIES = ("iwd", "all", "matrices-only")
 _numbers = numbers  # the old private name
 
@@ -79,7 +77,7 @@ class TrainConfig:
   run: RunConfig
   data: DataConfig
   model: dict  # preset + ModelConfig fields + wd_policy (each typed by ModelConfig's field)
-  optimizer: dict  # validated here (common keys) and by scaleopt.optim.build
+  optimizer: dict  # resolved OptimizerConfig (typed through the optimizer registry)
   mesh: MeshConfig
 
   def to_dict(self) -> dict:
@@ -90,32 +88,36 @@ _SECTIONS = {"run": RunConfig, "data": DataConfig, "mesh": MeshConfig}
 
 
 def _check_optimizer(opt: Any, steps: int) -> dict:
-  """Validates the optimizer section with ``scaleopt.optim.build.OptimizerConfig`` (its errors
-  name the key); fills ``schedule.total_steps`` with ``run.steps`` when absent."""
+  """The optimizer section typed through the optimizer registry: ``name`` is a registered name
+  (``scaleopt.optim.names()``), every other key is typed by ``OptimizerConfig``'s field of that
+  name, ``schedule`` by ``ScheduleConfig`` (``total_steps`` defaults to ``run.steps``) and
+  ``extra`` by the registered keys; then the optimizer is built (pure Python, nothing is
+  traced), which checks the values of ``extra``. Returns the resolved section: every key, with
+  its default where the file sets none."""
+  from scaleopt import optim
+  from scaleopt.optim.schedules import ScheduleConfig
   if not isinstance(opt, dict):
-    raise ConfigError(f"config section 'optimizer' must be a mapping with 'name', got {opt!r}")
-  from scaleopt.optim import names  # shipped names plus user-registered ones
+    raise fail("optimizer", opt, "expected a mapping with 'name'")
   if "name" not in opt:
-    raise ConfigError("config section 'optimizer' needs 'name'; allowed names: "
-                      f"{names()}")
-  if opt["name"] not in names():
-    raise ConfigError(f"config key 'optimizer.name'={opt['name']!r} is not allowed; choose "
-                      f"one of {names()}")
-  opt = dict(opt)
+    raise ConfigError(f"config section 'optimizer' needs 'name'; allowed names: "
+                      f"{', '.join(optim.names())}")
+  choice(opt["name"], "optimizer.name", optim.names())
+  fields = [f.name for f in dataclasses.fields(optim.OptimizerConfig)]
+  check_keys(opt, fields, "optimizer")
+  hints = typing.get_type_hints(optim.OptimizerConfig)
+  kw = {k: convert(v, hints[k], f"optimizer.{k}") for k, v in opt.items()
+        if k not in ("schedule", "extra")}
   sched = opt.get("schedule")
-  if sched is None:
-    sched = {}
-  if not isinstance(sched, dict):
-    raise ConfigError(f"config key 'optimizer.schedule' must be a mapping, got {sched!r}")
-  opt["schedule"] = {**sched, "total_steps": sched.get("total_steps", steps)}
-  from scaleopt.optim.build import build
-  from scaleopt.train.bridge import optimizer_config
+  sched = {**(sched or {}), "total_steps": (sched or {}).get("total_steps", steps)} if (
+      sched is None or isinstance(sched, dict)) else sched
+  kw["extra"] = convert(opt.get("extra") or {}, dict, "optimizer.extra")
   try:
-    optimizer_config(opt)
-    build(opt)  # pure Python: checks the values of ``extra`` too (nothing is traced)
+    kw["schedule"] = parse(ScheduleConfig, sched, "optimizer.schedule")
+    cfg = optim.OptimizerConfig(**kw)
+    optim.build(cfg)
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config section 'optimizer': {e}") from None
-  return opt
+  return to_dict(cfg)
 
 
 @dataclasses.dataclass

@@ -14,7 +14,8 @@ and B preconditioner, inv = same batch with the pre-EMA delta-method correction,
 correction. Relative bias = |E u - d/sqrt(P)| / |d/sqrt(P)|, E by Monte Carlo (same draws for
 every mode), with its standard error.
 
-    python experiments/bias_reduction/study.py [--quick] [--out docs/results.md]
+    scaleopt bias-study [--quick] [--out results/bias_reduction.md]
+    python -m scaleopt.optim.bias_study --out docs/results.md      (the table in docs/results.md)
 """
 
 from __future__ import annotations
@@ -97,8 +98,7 @@ def table(rows) -> str:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="fewer settings and trials (make run)")
-  ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[2] / "docs"
-                                        / "results.md"))
+  ap.add_argument("--out", default="results/bias_reduction.md")
   ap.add_argument("--trials", type=int, default=None)
   args = ap.parse_args(argv)
   trials = args.trials or (8_000 if args.quick else 40_000)
@@ -113,10 +113,10 @@ def main(argv=None) -> int:
   tab = table(rows)
   secs = time.time() - t0
   print(tab)
-  cmd = "python experiments/bias_reduction/study.py" + (" --quick" if args.quick else "")
+  cmd = "scaleopt bias-study" + (" --quick" if args.quick else "")
   body = (f"{BEGIN}\nProduced by `{cmd}` ({trials} Monte Carlo trials per row, "
           f"{secs:.0f} s on {jax.devices()[0].platform.upper()}; problem and target in the "
-          f"script's docstring).\n\n{tab}\n{END}")
+          f"docstring of `scaleopt/optim/bias_study.py`).\n\n{tab}\n{END}")
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   text = out.read_text() if out.exists() else ""
