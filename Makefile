@@ -26,8 +26,9 @@ test-slow: $(STAMP)
 # The lowest dependency versions pyproject.toml allows (core + hf), in .venv-min, on a smoke
 # subset of the tests. Not part of `make test` (it downloads a second JAX).
 MIN_VENV := .venv-min
-MIN_TESTS := tests/test_packaging.py tests/models/test_models_config.py \
-  tests/train/test_train_config.py tests/optim/test_adam_bc.py tests/train/test_train.py
+MIN_TESTS := tests/test_packaging.py tests/test_config_system.py \
+  tests/models/test_models_config.py tests/train/test_train_config.py tests/optim/test_adam_bc.py \
+  tests/train/test_train.py::test_tiny_run_beats_unigram_entropy
 test-min:
 	test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
 	$(MIN_VENV)/bin/python -m pip install -q --only-binary :all: \

@@ -53,6 +53,7 @@ class RunConfig:
   peak_flops: Optional[float] = None  # per device; None: looked up from the device kind
   wandb: Optional[dict] = None  # {project, entity, name, group, tags, notes, mode}: W&B on
   profile: Optional[dict] = None  # {start_step, steps}: jax.profiler trace in RUN_DIR/profile
+  telemetry_every: int = spec(0, min=0)  # per-group norms + BC statistics (0: off)
 
 
 @dataclasses.dataclass
@@ -171,6 +172,9 @@ def from_dict(raw: dict) -> TrainConfig:
   _check_finite(raw)
   secs = {k: parse(cls, raw.get(k), k) for k, cls in _SECTIONS.items()}
   r, d, m = secs["run"], secs["data"], secs["mesh"]
+  if r.telemetry_every % r.log_every:
+    raise fail("run.telemetry_every", r.telemetry_every,
+               f"must be a multiple of run.log_every={r.log_every} (0: off)")
   if d.batch_size % d.microbatches:
     raise ConfigError(f"config key 'data.batch_size'={d.batch_size} must be divisible by "
                       f"'data.microbatches'={d.microbatches}")
@@ -209,7 +213,7 @@ def dump_config(cfg: TrainConfig, path: str | pathlib.Path) -> None:
 RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_batches",
              "run.checkpoint_every", "run.keep_checkpoints", "run.async_checkpoint",
              "run.max_consecutive_skips", "run.progress", "run.tensorboard", "run.plot",
-             "run.peak_flops", "run.wandb", "run.profile", "optimizer.schedule.total_steps",
+             "run.peak_flops", "run.wandb", "run.profile", "run.telemetry_every", "optimizer.schedule.total_steps",
              "model.init_from", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.distributed")
 HISTORY = "config_history.jsonl"
 

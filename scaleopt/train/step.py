@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from scaleopt import optim
-from scaleopt.train import bridge
+from scaleopt.train import bridge, telemetry
 
 PyTree = Any
 
@@ -56,10 +56,11 @@ def _lr_step(state: TrainState) -> jax.Array:
 
 
 def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
-                    schedule: Callable) -> Callable:
+                    schedule: Callable, telemetry_every: int = 0) -> Callable:
   """``step(state, batch) -> (state, metrics)``; batch = {"tokens"[, "b_tokens"]}.
 
-  ``spec`` (the data layout) is not needed here: ``collect`` reads it from the state."""
+  ``spec`` (the data layout) is not needed here: ``collect`` reads it from the state.
+  ``telemetry_every``: per-group telemetry every N steps (``scaleopt.train.telemetry``)."""
   del spec
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
@@ -84,6 +85,9 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
     for k, v in stats.aux.items():
       if k != "ce":
         metrics[k] = v
+    # telemetry: per-group norms and BC statistics on every telemetry_every-th step (lax.cond)
+    metrics.update(telemetry.maybe_compute(telemetry_every, state.step, tx, state.opt_state,
+                                           state.params, stats, updates, new.params))
     return new, metrics
 
   return step

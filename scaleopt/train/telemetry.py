@@ -7,15 +7,25 @@ for each tensor group
   update_norm/<group>   || applied update ||_2 (after clipping, lr and weight decay)
   param_norm/<group>    || parameters ||_2 after the step
 
-and, for the bias-corrected forms (an optimizer state with a registered hook, see
-``bc_hook``), per group
+and, for the bias-corrected forms (statistics with a variance: ``mode`` inv / full), per group
 
-  bc_correction/<group> || u - u_plugin || / || u_plugin ||: the size of the variance
-                        correction relative to the plug-in update (same statistics, no
-                        correction)
-  bc_clamped/<group>    fraction of coordinates whose corrected inverse was clamped at 0
-  bc_var_ratio/<group>  sum Var_hat(x) / sum x^2 over the group: the estimated variance of the
-                        preconditioner statistic x relative to its square
+  bc_correction/<group> || u - u0 || / || u0 ||: the size of the variance correction relative
+                        to the plug-in update u0 (the same chain on the same statistics with
+                        the variance statistics set to 0, i.e. no correction; both include
+                        learning rate and weight decay)
+  bc_clamped/<group>    fraction of coordinates where the correction was clamped (the inverse
+                        at 0 for inv/A-B forms, a sign flip zeroed for LOO): found by
+                        evaluating the chain once more with every variance statistic times
+                        1.01 (u'); a clamped coordinate does not move (|u' - u| <= 1e-5
+                        |u - u0|, rounding), an unclamped one moves by about 1% of its
+                        correction; coordinates whose correction is lost in rounding
+                        (|u - u0| <= 1e-5 |u0|) do not count
+  bc_var_ratio/<group>  sum Var_hat(x) / sum x^2: the estimated variance of the preconditioner
+                        statistic relative to its square; x is the B group's mean gradient
+                        (``var_of`` grad) or mean of squares (``sq``); for LOO the fold
+                        denominators d_r (Var over folds / d^2, d^2 = first / third)
+
+The two extra chain evaluations run only on telemetry steps (under the same ``lax.cond``).
 
 A group is a parameter-path prefix: one per layer and role for the stacked Transformer blocks
 (``layer3.attn``, ``layer3.mlp``; the blocks' leading axis is unstacked into layers) and the
@@ -83,38 +93,68 @@ def _norms(name: str, tree: PyTree, like: PyTree) -> dict[str, jax.Array]:
   return {f"{name}/{g}": jnp.sqrt(v) for g, v in group_sum(tree, like).items()}
 
 
-# ------------------------------------------------------------------------------- BC hooks
-# A hook computes, from what the train step has, the per-leaf trees the BC telemetry needs:
-#   hook(tx, opt_state, params, stats) -> {"plugin": u_plugin, "clamped": 0/1 per coordinate,
-#                                          "var": Var_hat(x), "x2": x^2}  (or None)
-_BC_HOOKS: list[Callable] = []
+# ------------------------------------------------------------------------------- BC forms
+
+def _scale_var(stats, s: float):
+  """``stats`` with every variance statistic (the groups' ``var``, the folds' ``var``) times s."""
+  mul = lambda tr: None if tr is None else jax.tree.map(lambda v: s * v, tr)
+  grp = lambda g: g if g is None or g.var is None else g._replace(var=mul(g.var))
+  a = grp(stats.a)
+  b = a if stats.b is stats.a else grp(stats.b)
+  loo = None if stats.loo is None else stats.loo._replace(var=mul(stats.loo.var))
+  return stats._replace(a=a, b=b, loo=loo)
 
 
-def register_bc_hook(fn: Callable) -> Callable:
-  """Adds a BC-telemetry hook (see above); the first one that returns a dict is used."""
-  _BC_HOOKS.append(fn)
-  return fn
+def _has_var(stats) -> bool:
+  return any(x is not None and x.var is not None for x in (stats.a, stats.b, stats.loo))
+
+
+def _var_ratio(spec, stats, like) -> dict[str, jax.Array]:
+  """Per group, sum Var_hat(x) / sum x^2 of the preconditioner statistic x (see the module
+  docstring); {} where the collector gives no variance of a known statistic."""
+  if spec.layout == "loo" and stats.loo is not None:
+    first, third = stats.loo.mean["first"], stats.loo.mean["third"]
+    ref2 = jax.tree.map(lambda f, t: jnp.where(t != 0, f / jnp.where(t != 0, t, 1.0), 0.0),
+                        first, third)  # d^2 ~ (m/d) / (m/d^3)
+    var = stats.loo.var
+  else:
+    g = stats.b if stats.b is not None else stats.a
+    ref = {"grad": g.mean, "sq": g.sq}.get(spec.var_of) if g is not None else None
+    if ref is None or g.var is None:
+      return {}
+    ref2, var = jax.tree.map(jnp.square, ref), g.var
+  num = group_sum(var, like, lambda x: x)
+  den = group_sum(ref2, like, lambda x: x)
+  return {f"bc_var_ratio/{k}": num[k] / den[k] for k in num}
 
 
 def _bc(tx, opt_state, params, stats, updates) -> dict[str, jax.Array]:
-  for hook in _BC_HOOKS:
-    out = hook(tx, opt_state, params, stats)
-    if out is None:
-      continue
-    ident = lambda x: x
-    diff = group_sum(jax.tree.map(lambda u, p: u - p, updates, out["plugin"]), params)
-    plug = group_sum(out["plugin"], params)
-    clamped = group_sum(out["clamped"], params, ident)
-    size = group_sum(params, params, jnp.ones_like)
-    var = group_sum(out["var"], params, ident)
-    x2 = group_sum(out["x2"], params, ident)
-    res = {}
-    for g in plug:
-      res[f"bc_correction/{g}"] = jnp.sqrt(diff[g] / plug[g])
-      res[f"bc_clamped/{g}"] = clamped[g] / size[g]
-      res[f"bc_var_ratio/{g}"] = var[g] / x2[g]
-    return res
-  return {}
+  """The BC statistics from two more evaluations of the same chain with the variance
+  statistics scaled by 0 (the plug-in update u0) and by 1.01 (u'): where the correction is
+  clamped, a slightly larger variance leaves the update unchanged; elsewhere it moves it."""
+  if not _has_var(stats):
+    return {}
+  from scaleopt import optim
+  run = lambda s: tx.update(stats.numerator, opt_state, params,
+                            bc_stats=_scale_var(stats, s))[0]
+  u0, u2 = run(0.0), run(1.01)
+  ident = lambda x: x
+  diff = group_sum(jax.tree.map(lambda u, p: u - p, updates, u0), params)
+  plug = group_sum(u0, params)
+  def is_clamped(u, z, w):
+    """u does not move when the variances grow by 1% (|u' - u| <= 1e-3 of the 1% growth of
+    the correction), for a correction that is not itself lost in rounding (> 1e-5 |u0|)."""
+    c = jnp.abs(u - z)
+    return ((jnp.abs(w - u) <= 1e-5 * c) & (c > 1e-5 * jnp.abs(z))).astype(jnp.float32)
+
+  clamped = group_sum(jax.tree.map(is_clamped, updates, u0, u2), params, ident)
+  size = group_sum(params, params, jnp.ones_like)
+  out = {}
+  for g in plug:
+    out[f"bc_correction/{g}"] = jnp.sqrt(diff[g] / plug[g])
+    out[f"bc_clamped/{g}"] = clamped[g] / size[g]
+  out.update(_var_ratio(optim.collector_spec(opt_state), stats, params))
+  return out
 
 
 def compute(tx, opt_state, params_before, stats, updates, params_after) -> dict[str, jax.Array]:
