@@ -133,7 +133,8 @@ def test_installed_wheel_resolves_names_from_any_folder(installed, tmp_path):
   pkg, tiny, small = r.stdout.split()
   venv = installed.parent
   assert pathlib.Path(pkg).is_relative_to(venv), pkg  # not the source checkout
-  assert pathlib.Path(tiny).is_relative_to(venv) and tiny.endswith("scaleopt/configs/train/tiny.yaml")
+  assert pathlib.Path(tiny).is_relative_to(venv)
+  assert tiny.endswith("scaleopt/configs/train/tiny.yaml")
   assert small.endswith("scaleopt/configs/sweeps/small.yaml")
   r = _run([installed / "scaleopt", "train", "--config", "tiny", "--print-config",
             "--set", "run.steps=70"], tmp_path)

@@ -213,8 +213,8 @@ def dump_config(cfg: TrainConfig, path: str | pathlib.Path) -> None:
 RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_batches",
              "run.checkpoint_every", "run.keep_checkpoints", "run.async_checkpoint",
              "run.max_consecutive_skips", "run.progress", "run.tensorboard", "run.plot",
-             "run.peak_flops", "run.wandb", "run.profile", "run.telemetry_every", "optimizer.schedule.total_steps",
-             "model.init_from", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.distributed")
+             "run.peak_flops", "run.wandb", "run.profile", "run.telemetry_every",
+             "optimizer.schedule.total_steps", "model.init_from", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.distributed")
 HISTORY = "config_history.jsonl"
 
 
