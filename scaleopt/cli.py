@@ -111,7 +111,8 @@ def _convert(args: argparse.Namespace) -> int:
 def _bias_study(args: argparse.Namespace) -> int:
   from scaleopt.optim import bias_study
 
-  return bias_study.main(["--out", args.out] + (["--quick"] if args.quick else [])) or 0
+  return bias_study.main(["--out", args.out] + (["--quick"] if args.quick else [])
+                        + (["--trials", str(args.trials)] if args.trials else [])) or 0
 
 
 def _run_default(args: argparse.Namespace) -> int:
@@ -209,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
   b = sub.add_parser("bias-study", help="measure the bias of std/cf/inv/full updates")
   b.add_argument("--out", default="results/bias_reduction.md")
   b.add_argument("--quick", action="store_true")
+  b.add_argument("--trials", type=int, default=None, help="Monte Carlo trials per row")
   b.set_defaults(fn=_bias_study)
 
   r = sub.add_parser("run-default", help="what `make run` runs")
