@@ -20,6 +20,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 
 from scaleopt import models
 from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data,
@@ -41,17 +42,27 @@ class Interrupted(RuntimeError):
 
 
 class _Signals:
-  """SIGTERM / SIGINT -> a flag the loop checks between steps; a second signal exits at once.
+  """SIGTERM / SIGINT -> a stop the loop checks between steps; a second signal exits at once.
 
   Python runs signal handlers only between bytecodes, so a main thread blocked in a device
   wait would not see them. The C-level handler writes the signal number to a wakeup pipe
   (``signal.set_wakeup_fd``) that a daemon thread reads: the first signal sets the flag (the
   loop then checkpoints and stops), a second one ends the process immediately with
   128 + signum, even if a computation hangs.
+
+  Multi-process runs (``jax.distributed`` with its preemption service, on by default) must
+  stop at the same step on every process. There SIGTERM is left to JAX's preemption notifier
+  (installed by ``jax.distributed.initialize``), a first SIGINT is forwarded to it as a
+  SIGTERM, and ``stop(step)`` is true on every process at the same step: Orbax's
+  ``reached_preemption`` (the processes exchange their step counters in the background once
+  any of them got the notice and agree on the next step after the largest; between notices
+  the check is local). A second SIGINT still exits at once; a second SIGTERM does nothing
+  (a hung multi-process run needs SIGINT twice or SIGKILL).
   """
 
   def __init__(self):
     self.caught = None
+    self.agree = _preemption_service()
     self._old, self._fds, self._old_fd, self._thread = {}, None, None, None
 
   def __enter__(self):
@@ -60,7 +71,7 @@ class _Signals:
     r, w = os.pipe()
     os.set_blocking(w, False)
     self._fds = (r, w)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGINT,) if self.agree else (signal.SIGTERM, signal.SIGINT):
       self._old[sig] = signal.signal(sig, lambda *_: None)
     self._old_fd = signal.set_wakeup_fd(w)
     self._thread = threading.Thread(target=self._watch, args=(r,), daemon=True)
@@ -77,10 +88,23 @@ class _Signals:
         return
       if self.caught is None:
         self.caught = signal.Signals(b[0]).name
-        print(f"\n{self.caught}: stopping after this step and checkpointing (send it again to "
-              "exit at once)", file=sys.stderr, flush=True)
+        where = ("with every process at the same step " if self.agree else "")
+        print(f"\n{self.caught}: stopping after this step {where}and checkpointing (send it "
+              "again to exit at once)", file=sys.stderr, flush=True)
+        if self.agree:  # JAX's preemption notifier spreads the notice to every process
+          os.kill(os.getpid(), signal.SIGTERM)
       else:
         os._exit(128 + b[0])
+
+  def stop(self, step: int) -> Optional[str]:
+    """The signal to stop for after ``step`` (None: go on); call it after every step."""
+    if not self.agree:
+      return self.caught
+    if not ocp.multihost.reached_preemption(step):
+      return None
+    print(f"preemption notice: every process stops after step {step} and checkpoints",
+          file=sys.stderr, flush=True)
+    return self.caught or "SIGTERM"
 
   def __exit__(self, *exc):
     if self._fds is None:
@@ -92,6 +116,17 @@ class _Signals:
     os.close(w)  # the watcher reads EOF and returns
     self._thread.join(timeout=5)
     os.close(r)
+
+
+def _preemption_service() -> bool:
+  """JAX runs distributed with its preemption service (SIGTERM handled by its notifier)."""
+  if not jax.distributed.is_initialized():
+    return False
+  try:
+    from jax._src import distributed
+    return distributed.global_state.preemption_sync_manager is not None
+  except (ImportError, AttributeError):  # a JAX without this internal: its documented default
+    return bool(jax.config.jax_enable_preemption_service)
 
 
 def peak_flops(device, override: Optional[float]) -> Optional[float]:
@@ -274,7 +309,7 @@ def _start_outputs(cfg: TrainConfig, out: pathlib.Path, resuming: bool) -> None:
   """config.yaml is written when a run starts and never rewritten: a resumed run's changes go
   to config_history.jsonl (``config.record_changes``)."""
   out.mkdir(parents=True, exist_ok=True)
-  if resuming and (out / "config.yaml").exists():
+  if jax.process_index() != 0 or (resuming and (out / "config.yaml").exists()):
     return
   dump_config(cfg, out / "config.yaml")
   (out / config_lib.HISTORY).unlink(missing_ok=True)
@@ -289,6 +324,8 @@ def train(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False,
   intact checkpoint can be read or one cannot be written, SkipLimit after
   ``run.max_consecutive_skips`` non-finite steps in a row and Interrupted on SIGTERM/SIGINT.
   """
+  # Join a multi-process run first: its preemption notifier then owns SIGTERM (``_Signals``).
+  mesh_lib.maybe_initialize_distributed(cfg.mesh.distributed)
   with _Signals() as sig:  # from the start: a signal during set-up stops after the first step
     return _train(cfg, out_dir, resume, s, sig)
 
@@ -464,7 +501,7 @@ def _run(cfg, s, fns, state, it, step0, log, meter, prof, save, evaluate, is_mai
     if prev_consec is not None and int(prev_consec) >= r.max_consecutive_skips:
       res.stopped = done
     prev_consec = m["consec"]
-    res.interrupted = sig.caught
+    res.interrupted = sig.stop(done)
     halt = res.stopped is not None or res.interrupted is not None
     is_eval = (r.eval_every and done % r.eval_every == 0) or done == r.steps
     if done % r.log_every == 0 or is_eval or halt:

@@ -30,6 +30,7 @@ BATCH_AXES = ("data", "fsdp")
 # reduce-scatters with compute). XLA ignores GPU flags on other platforms.
 LAUNCH_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",
                     "--xla_gpu_enable_latency_hiding_scheduler=true")
+_PROCESS_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 _MULTIHOST_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "SLURM_NTASKS",
                   "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
 
@@ -47,23 +48,80 @@ def set_launch_xla_flags(environ=os.environ) -> None:
     environ["XLA_FLAGS"] = launch_xla_flags(environ.get("XLA_FLAGS", ""))
 
 
-def maybe_initialize_distributed(mode: str) -> bool:
-  """Calls ``jax.distributed.initialize()`` (which reads the cluster's usual environment
-  variables: JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, SLURM, Open MPI, TPU
-  pod metadata) when ``mode='on'``, or ``'auto'`` and such variables are present."""
-  if mode == "off":
-    return False
-  if mode == "auto":
-    slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
-    other = any(os.environ.get(k) for k in _MULTIHOST_ENV if k != "SLURM_NTASKS")
-    tpu_hosts = len(os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1
-    if not (slurm or tpu_hosts or (other and "TPU_WORKER_HOSTNAMES" not in os.environ)):
-      return False
+def _env_int(name: str, value: str, lo: int) -> int:
   try:
-    jax.distributed.initialize()
-  except RuntimeError as e:  # already initialized
-    if "already" not in str(e):
-      raise
+    v = int(value)
+  except ValueError:
+    v = None
+  if v is None or v < lo:
+    raise ConfigError(f"{name}={value!r} is not an integer >= {lo}")
+  return v
+
+
+def distributed_args(environ=os.environ) -> dict:
+  """Keyword arguments for ``jax.distributed.initialize`` from the variables of a run started
+  by hand: ``JAX_COORDINATOR_ADDRESS=HOST:PORT``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``
+  (all three or none) and optionally ``JAX_LOCAL_DEVICE_IDS=0,1``. ``{}`` when neither
+  ``JAX_NUM_PROCESSES`` nor ``JAX_PROCESS_ID`` is set (then a cluster manager's variables, if
+  any, are detected by JAX). ConfigError for a half-set or malformed set."""
+  get = lambda k: environ.get(k, "").strip()
+  addr, num, pid, local = (get(k) for k in (*_PROCESS_ENV, "JAX_LOCAL_DEVICE_IDS"))
+  if not (num or pid):
+    return {}
+  missing = [k for k, v in zip(_PROCESS_ENV, (addr, num, pid)) if not v]
+  if missing:
+    raise ConfigError(f"{' and '.join(missing)} not set: a multi-process launch by hand needs "
+                      f"all of {', '.join(_PROCESS_ENV)}")
+  host, _, port = addr.rpartition(":")
+  if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ConfigError(f"JAX_COORDINATOR_ADDRESS={addr!r} is not HOST:PORT (e.g. "
+                      "10.0.0.1:1234, the address of process 0)")
+  kw = dict(coordinator_address=addr, num_processes=_env_int("JAX_NUM_PROCESSES", num, 1),
+            process_id=_env_int("JAX_PROCESS_ID", pid, 0))
+  if kw["process_id"] >= kw["num_processes"]:
+    raise ConfigError(f"JAX_PROCESS_ID={pid} is not below JAX_NUM_PROCESSES={num} (ids run "
+                      f"from 0 to {kw['num_processes'] - 1})")
+  if local:
+    kw["local_device_ids"] = [_env_int("JAX_LOCAL_DEVICE_IDS", x.strip(), 0)
+                              for x in local.split(",")]
+  return kw
+
+
+def _cluster_present(environ=os.environ) -> bool:
+  """A cluster manager's variables (SLURM with several tasks, Open MPI, a multi-host TPU slice,
+  a coordinator address) are present."""
+  slurm = int(environ.get("SLURM_NTASKS", "1") or "1") > 1
+  other = any(environ.get(k) for k in _MULTIHOST_ENV if k != "SLURM_NTASKS")
+  tpu_hosts = len(environ.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1
+  return slurm or tpu_hosts or (other and "TPU_WORKER_HOSTNAMES" not in environ)
+
+
+def maybe_initialize_distributed(mode: str, environ=os.environ) -> bool:
+  """Joins a multi-process run: ``jax.distributed.initialize`` with the arguments of
+  ``distributed_args`` when the ``JAX_*`` variables are set, else without arguments (JAX
+  detects SLURM, Open MPI, TPU slices and other clusters itself). ``mode='on'`` always
+  initializes, ``'auto'`` only when such variables are present, ``'off'`` never (and refuses
+  ``JAX_NUM_PROCESSES`` > 1). Returns whether JAX runs distributed. ConfigError (one line)
+  for bad variables or when the run cannot be joined."""
+  kw = distributed_args(environ)
+  if mode == "off":
+    if kw.get("num_processes", 1) > 1:
+      raise ConfigError(f"mesh.distributed=off, but JAX_NUM_PROCESSES={kw['num_processes']} "
+                        "asks for a multi-process run; unset it or use mesh.distributed=auto")
+    return False
+  if jax.distributed.is_initialized():
+    return True
+  if mode == "auto" and not (kw or _cluster_present(environ)):
+    return False
+  try:
+    jax.distributed.initialize(**kw)
+  except (ValueError, TypeError, RuntimeError) as e:  # JAX's own checks; connection failures
+    how = (f"as process {kw['process_id']} of {kw['num_processes']} at "
+           f"{kw['coordinator_address']}" if kw else "from the cluster's variables")
+    hint = ("; set JAX_NUM_PROCESSES and JAX_PROCESS_ID too" if not kw and
+            environ.get("JAX_COORDINATOR_ADDRESS") else "")
+    raise ConfigError(f"cannot start the multi-process run {how}: "
+                      f"{' '.join(str(e).split())[:300]}{hint}") from None
   return True
 
 

@@ -222,6 +222,7 @@ s = loop.setup(cfg)
 base = s.model.apply
 
 def stuck(x):
+  print("hung", flush=True)  # the first step is running and will not finish
   time.sleep(3600)
   return x
 
@@ -242,13 +243,15 @@ def test_second_signal_exits_even_if_a_step_hangs(tmp_path):
                        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        text=True)
   assert p.stdout.readline().strip() == "ready"
-  time.sleep(3)  # inside the first (hung) step
+  assert p.stdout.readline().strip() == "hung"  # inside the first step, handlers installed
   p.send_signal(signal.SIGTERM)
   deadline = time.time() + 60
   line = ""
   while time.time() < deadline and "stopping after this step" not in line:
     line = p.stderr.readline()
-  assert "SIGTERM" in line
+    if not line and p.poll() is not None:
+      break
+  assert "SIGTERM" in line, p.poll()
   assert p.poll() is None  # the step cannot finish, so the first signal cannot stop it
   p.send_signal(signal.SIGTERM)
   assert p.wait(timeout=30) == 128 + signal.SIGTERM
