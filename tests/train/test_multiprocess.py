@@ -82,6 +82,9 @@ def _finish(procs, timeout=300):
   """Exit codes; kills both processes if either hangs (a lone process waits at a barrier)."""
   try:
     return [p.wait(timeout=timeout) for p in procs]
+  except subprocess.TimeoutExpired:
+    raise AssertionError(f"the processes did not exit within {timeout} s (exit codes "
+                         f"{[p.poll() for p in procs]})") from None
   finally:
     for p in procs:
       if p.poll() is None:
