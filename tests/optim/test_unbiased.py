@@ -48,7 +48,7 @@ def test_var_of_squared_mean_is_unbiased_per_coordinate(m):
 
 
 def test_clamped_variance_bias_is_bounded_and_vanishes_with_signal():
-  """What the transform uses, max(0, Var_hat): biased up at zero signal (documented 1.5x at
+  """What the transform uses, max(0, Var_hat): biased up at zero signal (documented 1.38x at
   m = 8), unbiased at high signal."""
   grp, mu, v = _draws(8, key=1)
   est = np.maximum(np.asarray(var_sq_of_mean(grp.mean, grp.var, 8), np.float64), 0.0)
