@@ -236,3 +236,24 @@ def test_shampoo_separate_fallback_b1():
   _, st = tx.update(g, tx.init(params), params)
   np.testing.assert_allclose(st.mu["b"], 0.5 * 2.0)
   np.testing.assert_allclose(st.mu["w"], 0.1 * 0.5, rtol=1e-6)
+
+
+def test_shampoo_consistent_clip_equals_collecting_scaled_gradients():
+  """Shampoo-BC's two-pass statistics under the clip (factor stats c^2, eigenvalue variances
+  c^4, numerator c) equal those of the gradients c g_j collected without clipping."""
+  rng = np.random.default_rng(5)
+  gs = jnp.asarray(rng.normal(size=(8, 6, 5)) * np.linspace(0.5, 2.0, 5), jnp.float32)
+  params = {"w": jnp.zeros((6, 5), jnp.float32)}
+  loss = lambda p, mb: (jnp.sum(p["w"] * mb), {})
+  inner = lambda: so.scale_by_shampoo(block_size=64, root_every=1, damping=1e-3, mode="full")
+  tx = optax.chain(so.clip_by_global_norm(0.1), inner())
+  stats = so.collect(loss, params, gs, tx.init(params))
+  c = stats.clip_factor
+  assert float(c) < 0.2
+  ref = so.collect(lambda p, mb: (c * loss(p, mb)[0], {}), params, gs, inner().init(params))
+  a, b = stats.precond, ref.precond
+  for x, y in ((a.stat_L, b.stat_L), (a.var_L, b.var_L), (a.var_R, b.var_R),
+               ({k: v[0] for k, v in a.eig_L.items()}, {k: v[0] for k, v in b.eig_L.items()}),
+               (stats.numerator, ref.numerator), (stats.full, ref.full)):
+    for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+      np.testing.assert_allclose(u, v, rtol=2e-4, atol=1e-10)
