@@ -116,12 +116,16 @@ def maybe_initialize_distributed(mode: str, environ=os.environ) -> bool:
   try:
     jax.distributed.initialize(**kw)
   except (ValueError, TypeError, RuntimeError) as e:  # JAX's own checks; connection failures
-    how = (f"as process {kw['process_id']} of {kw['num_processes']} at "
-           f"{kw['coordinator_address']}" if kw else "from the cluster's variables")
-    hint = ("; set JAX_NUM_PROCESSES and JAX_PROCESS_ID too" if not kw and
-            environ.get("JAX_COORDINATOR_ADDRESS") else "")
-    raise ConfigError(f"cannot start the multi-process run {how}: "
-                      f"{' '.join(str(e).split())[:300]}{hint}") from None
+    why = " ".join(str(e).split())[:300].rstrip(".")
+    if kw:
+      how = (f"as process {kw['process_id']} of {kw['num_processes']} at "
+             f"{kw['coordinator_address']}")
+    elif environ.get("JAX_COORDINATOR_ADDRESS"):
+      how = "from JAX_COORDINATOR_ADDRESS alone"
+      why += "; set JAX_NUM_PROCESSES and JAX_PROCESS_ID too (no cluster manager supplies them)"
+    else:
+      how = "from the cluster's variables"
+    raise ConfigError(f"cannot start the multi-process run {how}: {why}") from None
   return True
 
 

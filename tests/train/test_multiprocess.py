@@ -219,6 +219,8 @@ def test_two_processes_ctrl_c_on_one_then_sigkill_both_then_resume(tmp_path, mon
 
 
 @pytest.mark.parametrize("env,msg", [
+    ({"JAX_COORDINATOR_ADDRESS": "localhost:1234"},  # and no cluster manager
+     "cannot start the multi-process run from JAX_COORDINATOR_ADDRESS alone"),
     ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}, "JAX_COORDINATOR_ADDRESS not set"),
     ({"JAX_COORDINATOR_ADDRESS": "localhost:1234", "JAX_PROCESS_ID": "1"},
      "JAX_NUM_PROCESSES not set"),
