@@ -73,8 +73,9 @@ def _launch(tmp, cfg, run, extra, tag):
                JAX_PROCESS_ID=str(i), ROWS_OUT=str(tmp / f"rows_{tag}_{i}.json"))
     env.pop("JAX_LOCAL_DEVICE_IDS", None)
     cmd = [sys.executable, "-c", CHILD, "train", "--config", str(cfg), "--out", str(run), *extra]
-    procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                  stderr=open(tmp / f"err_{tag}_{i}.txt", "w"), text=True))
+    with open(tmp / f"out_{tag}_{i}.txt", "w") as out, open(tmp / f"err_{tag}_{i}.txt",
+                                                            "w") as err:
+      procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err))
   return procs
 
 
@@ -98,8 +99,11 @@ def _wait_for_step(procs, run, step, timeout=300):
   deadline = time.time() + timeout
   while time.time() < deadline and all(p.poll() is None for p in procs):
     rows = m.read_text().splitlines() if m.exists() else []
-    if rows and json.loads(rows[-1])["step"] >= step:
-      return
+    try:
+      if rows and json.loads(rows[-1])["step"] >= step:
+        return
+    except ValueError:  # a line being written
+      pass
     time.sleep(0.05)
   raise AssertionError(f"the run did not reach step {step}: exit codes "
                        f"{[p.poll() for p in procs]}")
