@@ -122,11 +122,8 @@ def _preemption_service() -> bool:
   """JAX runs distributed with its preemption service (SIGTERM handled by its notifier)."""
   if not jax.distributed.is_initialized():
     return False
-  try:
-    from jax._src import distributed
-    return distributed.global_state.preemption_sync_manager is not None
-  except (ImportError, AttributeError):  # a JAX without this internal: its documented default
-    return bool(jax.config.jax_enable_preemption_service)
+  # public flag only (no jax._src): jax.distributed.initialize starts the service when it is on
+  return bool(jax.config.jax_enable_preemption_service)
 
 
 def peak_flops(device, override: Optional[float]) -> Optional[float]:
