@@ -141,6 +141,9 @@ def test_installed_wheel_resolves_names_from_any_folder(installed, tmp_path):
   assert r.returncode == 0, r.stderr[-2000:]
   printed = yaml.safe_load(r.stdout)
   assert printed["run"]["steps"] == 70 and printed["model"]["preset"] == "tiny"
+  r = _run([installed / "scaleopt", "study", "--config", "bc_tiny", "--out", "s", "--list"],
+           tmp_path)  # the study's `base: ../train/tiny.yaml` resolves inside the package
+  assert r.returncode == 0 and "study bc_tiny: 8 cell(s)" in r.stdout, r.stderr[-2000:]
   r = _run([installed / "scaleopt", "study", "--config", "nope", "--out", "x"], tmp_path)
   assert r.returncode == 2 and r.stderr.startswith("error: config file 'nope' does not exist")
 
