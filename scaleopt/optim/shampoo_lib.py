@@ -45,6 +45,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from scaleopt.optim import delta
 from scaleopt.optim.adam_bc import check_choice
@@ -161,6 +162,68 @@ def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 3
   return _sym(x)
 
 
+# ----------------------------------------------------------------------------- sharding
+
+def _mesh():
+  """The mesh the step is traced under (``scaleopt.models.sharding.constraints``), or None
+  when it has a single device."""
+  from scaleopt.models.sharding import current_mesh  # the optimizer does not need the models
+  mesh = current_mesh()
+  return mesh if mesh is not None and mesh.size > 1 else None
+
+
+def block_axes(mesh, n: int) -> tuple:
+  """Mesh axes (of size > 1) over which a block axis of length ``n`` is split: all of them when
+  their product divides ``n``, else the subset with the largest product that does (empty:
+  replicated). One rule for the stored factors and the blocked momentum."""
+  axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+  best, best_size = (), 1
+  for mask in range(1, 2 ** len(axes)):
+    sub = tuple(a for i, a in enumerate(axes) if mask >> i & 1)
+    size = math.prod(mesh.shape[a] for a in sub)
+    if n % size == 0 and size > best_size:
+      best, best_size = sub, size
+  return best
+
+
+def block_sharding(mesh, shape) -> NamedSharding:
+  """Sharding of a block-stacked array ``[n, ...]``: the block axis split by ``block_axes``."""
+  axes = block_axes(mesh, shape[0])
+  return NamedSharding(mesh, P(axes or None, *([None] * (len(shape) - 1))))
+
+
+def _on_owner(x):
+  """``x`` ``[n, ...]`` pinned to the block sharding (identity without a multi-device mesh), so
+  per-block work runs on the devices that hold the block's factors."""
+  mesh = _mesh()
+  return x if mesh is None else jax.lax.with_sharding_constraint(x, block_sharding(mesh, x.shape))
+
+
+def _divided(fn: Callable) -> Callable:
+  """``fn`` over a batch ``[N, s, s]`` split evenly among all devices of the mesh in context:
+  the batch is zero-padded to a multiple of the device count (padding blocks are identity
+  matrices, harmless to eigh and Newton) and each device runs ``fn`` on its ``N_pad / ndev``
+  matrices inside ``shard_map``; the result stays split (callers re-shard what they keep)."""
+  mesh = _mesh()
+  if mesh is None:
+    return fn
+  axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+  ndev = math.prod(mesh.shape[a] for a in axes)
+
+  def run(x):
+    n = x.shape[0]
+    pad = -n % ndev
+    if pad:
+      eye = jnp.broadcast_to(jnp.eye(x.shape[-1], dtype=x.dtype), (pad, *x.shape[1:]))
+      x = jnp.concatenate([x, eye], axis=0)
+    spec = P(axes, None, None)
+    x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    out = jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=P(axes), check_vma=False)(x)
+    return jax.tree.map(lambda r: r[:n], out)
+
+  return run
+
+
 def _batched_by_size(mats: dict, fn: Callable) -> dict:
   """Applies ``fn`` to every (n_i, s, s) array, batching all arrays of one size s together
   (one concatenation, one batched call, one split per size).
@@ -169,8 +232,13 @@ def _batched_by_size(mats: dict, fn: Callable) -> dict:
   (``optimization_barrier``): jaxlib's batched CPU LAPACK kernels split a batch over XLA's
   intra-op thread pool and block on it, and two such kernels in flight at once can take every
   pool thread and deadlock (seen with jax 0.10.2 on 2 cores). Accelerators keep the batched call.
+
+  Under a multi-device mesh (``_divided``) every device decomposes only its share of each
+  size's batch: ceil(N / ndev) matrices instead of N.
   """
   serial = jax.default_backend() == "cpu"
+  per_matrix = lambda x: jax.lax.map(lambda a: jax.tree.map(lambda r: r[0], fn(a[None])), x)
+  call = _divided(per_matrix if serial else fn)
   by_size: dict[int, list] = {}
   for key, a in mats.items():
     by_size.setdefault(a.shape[-1], []).append(key)
@@ -180,13 +248,9 @@ def _batched_by_size(mats: dict, fn: Callable) -> dict:
     arrs = [mats[k] for k in keys]
     sizes = [a.shape[0] for a in arrs]
     x = jnp.concatenate(arrs, axis=0) if len(arrs) > 1 else arrs[0]
-    if serial:
-      if prev is not None:
-        x, _ = jax.lax.optimization_barrier((x, prev))
-      res = jax.lax.map(lambda a: jax.tree.map(lambda r: r[0], fn(a[None])), x)
-      prev = res
-    else:
-      res = fn(x)
+    if serial and prev is not None:
+      x, _ = jax.lax.optimization_barrier((x, prev))
+    res = prev = call(x)
     offs = [0]
     for n in sizes:
       offs.append(offs[-1] + n)
@@ -418,7 +482,7 @@ def _roots(f, keys, pre, *, root_method, damping, floor, newton_iters, correctio
       fn = lambda x: newton_inverse_root(x, damping, 4, newton_iters)
     out = _batched_by_size(mats, fn)
     pl, pr = ({k: out[(s, k)] for k in keys} for s in ("L", "R"))
-  ok = lambda new, old: jnp.where(jnp.all(jnp.isfinite(new)), new, old)  # failed root: keep
+  ok = lambda new, old: _on_owner(jnp.where(jnp.all(jnp.isfinite(new)), new, old))  # failed: keep
   return {k: f[k]._replace(PL=ok(pl[k], f[k].PL), PR=ok(pr[k], f[k].PR)) for k in keys}
 
 
@@ -436,9 +500,10 @@ def _direction(g, mu, nu, f, blk, graft, adam, update_clip_fro):
     adam_dir = (mu / bc1) / (jnp.sqrt(nu / bc2) + eps)
   if f is None:
     return adam_dir, nu
-  ub = jnp.matmul(jnp.matmul(f.PL, to_blocks(mu, blk), precision=hp), f.PR, precision=hp)
+  ub = jnp.matmul(jnp.matmul(f.PL, _on_owner(to_blocks(mu, blk)), precision=hp), f.PR,
+                  precision=hp)
   if graft == "adam":
-    ab = to_blocks(adam_dir, blk)
+    ab = _on_owner(to_blocks(adam_dir, blk))
     n_u = jnp.sqrt(jnp.sum(ub * ub, axis=(1, 2), keepdims=True))
     n_a = jnp.sqrt(jnp.sum(ab * ab, axis=(1, 2), keepdims=True))
     ub = ub * (n_a / jnp.maximum(n_u, 1e-30))
@@ -573,7 +638,7 @@ def scale_by_shampoo(
     blk = {k: blocking(g_l[int(k)].shape, block_size) for k in keys}
     fac = state.factors
     if mode == "std":  # statistics of the step's gradient every stats_every steps
-      gram = {k: _gram(to_blocks(g_l[int(k)], blk[k])) for k in keys}
+      gram = {k: _gram(_on_owner(to_blocks(g_l[int(k)], blk[k]))) for k in keys}
       fac = jax.lax.cond(count % stats_every == 0, lambda f: _ema_factors(
           f, keys, {k: v[0] for k, v in gram.items()}, {k: v[1] for k, v in gram.items()}, b2),
           lambda f: f, fac)
@@ -588,6 +653,7 @@ def scale_by_shampoo(
         orig_l, g_l, mu_l, nu_l, fac, blk, count_inc.astype(jnp.float32),
         dict(b1=b1, ab1=ab1, ab2=ab2, eps=eps, graft=graft, update_clip_fro=update_clip_fro))
     un = lambda l: jax.tree.unflatten(td, l)
+    fac = {k: ShampooFactors(*map(_on_owner, f)) for k, f in fac.items()}
     return un(out_u), ScaleByShampooState(count_inc, un(out_mu), un(out_nu), fac, state.spec,
                                           hp())
 

@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from scaleopt.models.sharding import mesh_spec
+from scaleopt.optim.shampoo_lib import ShampooFactors, block_sharding
 from scaleopt.train.config import ConfigError, MeshConfig
 
 AXES = ("data", "fsdp", "tensor")
@@ -184,7 +185,9 @@ def param_shardings(mesh: Mesh, params_shape: Any, rules: Callable) -> Any:
 
 
 def state_shardings(mesh: Mesh, tree_shape: Any, params_shape: Any, param_sh: Any) -> Any:
-  """Shardings for any tree (optimizer state) whose leaves mirror parameters by path suffix."""
+  """Shardings for any tree (optimizer state) whose leaves mirror parameters by path suffix;
+  Shampoo's block-stacked factors ``[n_blocks, b, b]`` (L, R and the roots) are split on the
+  block axis over the mesh (``shampoo_lib.block_sharding``), which matches no parameter."""
   flat = jax.tree_util.tree_flatten_with_path(params_shape)[0]
   table = {tuple(str(k) for k in path): (x.shape, sh)
            for (path, x), sh in zip(flat, jax.tree.leaves(param_sh))}
@@ -199,4 +202,10 @@ def state_shardings(mesh: Mesh, tree_shape: Any, params_shape: Any, param_sh: An
         return hit[1]
     return replicated
 
-  return jax.tree_util.tree_map_with_path(pick, tree_shape)
+  def pick_node(path, x):
+    if isinstance(x, ShampooFactors):
+      return ShampooFactors(*(block_sharding(mesh, f.shape) for f in x))
+    return pick(path, x)
+
+  return jax.tree_util.tree_map_with_path(pick_node, tree_shape,
+                                          is_leaf=lambda x: isinstance(x, ShampooFactors))

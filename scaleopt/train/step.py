@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaleopt import optim
+from scaleopt import models, optim
 from scaleopt.train import bridge, telemetry
 
 PyTree = Any
@@ -65,11 +65,12 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng, key = jax.random.split(state.rng)
-    stats = optim.collect(model.loss_fn, state.params, batch["tokens"], state.opt_state,
-                          key=key, logits_fn=model.logits_fn,
-                          b_microbatches=batch.get("b_tokens"))
-    updates, opt_state = tx.update(stats.numerator, state.opt_state, state.params,
-                                   bc_stats=stats)
+    with models.sharding.constraints(model.mesh):  # the optimizer divides work on this mesh
+      stats = optim.collect(model.loss_fn, state.params, batch["tokens"], state.opt_state,
+                            key=key, logits_fn=model.logits_fn,
+                            b_microbatches=batch.get("b_tokens"))
+      updates, opt_state = tx.update(stats.numerator, state.opt_state, state.params,
+                                     bc_stats=stats)
     params = optax.apply_updates(state.params, updates)
     g_norm = optax.global_norm(stats.full)
     u_norm = optax.global_norm(updates)
