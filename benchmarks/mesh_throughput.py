@@ -11,14 +11,24 @@ program before the FSDP fix), ``unfused`` (plain float32-logits loss), ``mK`` (K
 microbatches), ``bN`` (N sequences per step), ``pNAME`` (model preset), ``chunksK`` (fused
 loss in K sequence slices), ``optNAME`` (optimizer, default adamw), ``uK`` (scan_unroll),
 ``seqT`` (sequence length), ``remat`` / ``dots`` (full / dots rematerialization), ``xNAME``
-(an extra XLA flag from ``XLA_OPTIONS``).
+(an extra XLA flag from ``XLA_OPTIONS``), ``eKEY=VALUE`` (an ``optimizer.extra`` entry, e.g.
+``+optadamw_bc+ecrossfit=loo``, ``+optshampoo+eroot_every=10``, ``+emu_dtype=bfloat16``).
 
 Every configuration runs ``scaleopt.train.loop.train`` on the embedded corpus (host data
 pipeline, collector scan, clipping, skip guard, metrics) in a fresh process with a timeout;
 tokens/s is the loop's own measurement over all steps after the compile step. One-GPU
 configurations next to each other in ``--configs`` run two at a time, one per GPU, when
 ``--pair-single`` is given. The table's ratios divide by the first ``data1`` row with the same batch, microbatch
-and preset options (same run, same card).
+and preset options (same run, same card). Further columns:
+
+  vs 1 GPU/GPU-batch  tokens/s over the ``data1`` row whose batch is this row's batch / GPUs
+                      (same per-GPU batch; the weak-scaling ratio)
+  vs adamw step       ms/step over the fastest ``adamw`` row (any mesh and microbatching) with
+                      the same GPU count, preset, sequence length and global batch
+  vs adamw token      the same per executed token (forward+backward sweeps per step: the
+                      bias-corrected layouts run group B or leave-one-out passes)
+
+A multi-GPU configuration sees the first N GPUs (``CUDA_VISIBLE_DEVICES=0..N-1``).
 """
 
 from __future__ import annotations
@@ -72,6 +82,9 @@ def parse(name: str, defaults: dict) -> dict:
       c["seq"] = int(o[3:])
     elif o in ("remat", "dots"):
       c["remat"] = "full" if o == "remat" else "dots"
+    elif re.fullmatch(r"e[A-Za-z_0-9]+=.+", o):
+      k, v = o[1:].split("=", 1)
+      c["extra"] = dict(c.get("extra", {}), **{k: _value(v)})
     elif o.startswith("opt"):
       c["optimizer"] = o[3:]
     elif o.startswith("p"):
@@ -79,6 +92,18 @@ def parse(name: str, defaults: dict) -> dict:
     else:
       raise SystemExit(f"bad option {o!r} in configuration {name!r}")
   return c
+
+
+def _value(v: str):
+  """``10`` -> 10, ``1e-3`` -> 0.001, ``true`` -> True, anything else the string."""
+  if v.lower() in ("true", "false"):
+    return v.lower() == "true"
+  for t in (int, float):
+    try:
+      return t(v)
+    except ValueError:
+      pass
+  return v
 
 
 def run_one(c: dict) -> dict:
@@ -96,6 +121,7 @@ def run_one(c: dict) -> dict:
       "data": {"source": "embedded", "seq_len": c["seq"], "batch_size": c["batch"],
                "microbatches": c["micro"]},
       "optimizer": {"name": c.get("optimizer", "adamw"), "learning_rate": 6e-4,
+                    "extra": c.get("extra", {}),
                     "schedule": {"kind": "cosine", "warmup_steps": 2}},
       "mesh": mesh,
   }
@@ -107,6 +133,7 @@ def run_one(c: dict) -> dict:
     out = loop.train(cfg, pathlib.Path(tmp) / "run", s=s)
   return dict(c, tokens_per_s=out["tokens_per_s"], mfu=out["mfu"], compile_s=out["compile_s"],
               final_loss=out["final_train_loss"], devices=jax.device_count(),
+              sweeps=out.get("sweeps_per_step", 1.0),
               device_kind=jax.devices()[0].device_kind, jax=jax.__version__)
 
 
@@ -114,6 +141,8 @@ def _spawn(c: dict, gpu: str | None, timeout: int) -> tuple[subprocess.Popen, fl
   env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
   if gpu is not None:
     env["CUDA_VISIBLE_DEVICES"] = gpu
+  elif c["platform"] != "cpu":
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(c["n"]))
   if c["platform"] == "cpu":
     env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={c['n']}"
@@ -168,28 +197,52 @@ def run_all(configs: list[dict], timeout: int, pair_single: bool, budget: float,
   return [results[c["name"]] for c in configs]
 
 
-def table(rows: list[dict]) -> str:
-  key = lambda r: (r["preset"], r["batch"], r["seq"], r["micro"], r.get("optimizer", "adamw"))
-  base = {}
+def _ms(r: dict) -> float:
+  return 1e3 * r["batch"] * r["seq"] / r["tokens_per_s"]
+
+
+def _bases(rows: list[dict]) -> tuple:
+  """One-GPU tokens/s by (preset, batch, seq, micro, optimizer, extra), and the fastest adamw
+  row by (GPUs, preset, seq, global batch)."""
+  key = lambda r: (r["preset"], r["batch"], r["seq"], r["micro"], r.get("optimizer", "adamw"),
+                   str(r.get("extra", {})))
+  one, fast = {}, {}
   for r in rows:
-    if r["axis"] == "data" and r["n"] == 1 and "error" not in r and key(r) not in base:
-      base[key(r)] = r["tokens_per_s"]
+    if "error" in r:
+      continue
+    if r["axis"] == "data" and r["n"] == 1:
+      one.setdefault(key(r), r["tokens_per_s"])
+    if r.get("optimizer", "adamw") == "adamw" and not r.get("extra"):
+      k = (r["n"], r["preset"], r["seq"], r["batch"])
+      if k not in fast or _ms(r) < _ms(fast[k]):
+        fast[k] = r
+  return one, fast, key
+
+
+def table(rows: list[dict]) -> str:
+  one, fast, key = _bases(rows)
   out = ["| configuration | mesh | GPUs | preset | tokens/step | microbatches | ms/step | "
-         "tokens/s | vs one GPU | MFU | final train loss |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+         "tokens/s | vs one GPU | vs 1 GPU/GPU-batch | vs adamw step | vs adamw token | MFU | "
+         "final train loss |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     tok = r["batch"] * r["seq"]
     mesh = f"{r['axis']} {r['n']}"
     if "error" in r:
       out.append(f"| {r['name']} | {mesh} | {r['n']} | {r['preset']} | {tok} | {r['micro']} |"
-                 f" - | {r['error']} | - | - | - |")
+                 f" - | {r['error']} | - | - | - | - | - | - |")
       continue
-    b = base.get(key(r))
+    b = one.get(key(r))
     rel = f"{r['tokens_per_s'] / b:.2f}x" if b else "-"
+    weak = one.get(key(dict(r, batch=r["batch"] // r["n"])))
+    weak = f"{r['tokens_per_s'] / weak:.2f}x" if weak and r["n"] > 1 else "-"
+    f = fast.get((r["n"], r["preset"], r["seq"], r["batch"]))
+    step = f"{_ms(r) / _ms(f):.2f}x" if f else "-"
+    per_tok = (f"{(_ms(r) / r.get('sweeps', 1)) / (_ms(f) / f.get('sweeps', 1)):.2f}x"
+               if f else "-")
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
     out.append(f"| {r['name']} | {mesh} | {r['devices']} | {r['preset']} | {tok} | "
-               f"{r['micro']} | {1e3 * tok / r['tokens_per_s']:.1f} | "
-               f"{r['tokens_per_s']:,.0f} | {rel} | {mfu} | {r['final_loss']:.3f} |")
+               f"{r['micro']} | {_ms(r):.1f} | {r['tokens_per_s']:,.0f} | {rel} | {weak} | "
+               f"{step} | {per_tok} | {mfu} | {r['final_loss']:.3f} |")
   return "\n".join(out)
 
 
@@ -203,7 +256,7 @@ def main(argv=None) -> int:
   ap.add_argument("--seq", type=int, default=1024)
   ap.add_argument("--micro", type=int, default=2)
   ap.add_argument("--unroll", type=int, default=12)
-  ap.add_argument("--steps", type=int, default=30)
+  ap.add_argument("--steps", type=int, default=None, help="default 30 (--quick: 6)")
   ap.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
   ap.add_argument("--pair-single", action="store_true",
                   help="run one-GPU configurations two at a time, one per GPU")
@@ -217,13 +270,20 @@ def main(argv=None) -> int:
     return 0
   platform, dtype = "gpu", "bfloat16"
   if args.quick:
-    args.preset, args.batch, args.seq, args.steps, args.unroll = "tiny", 8, 64, 6, 1
+    args.preset, args.seq, args.unroll = "tiny", 64, 1
+    args.batch = 8 if args.batch == ap.get_default("batch") else args.batch
+    args.steps = args.steps or 6
     platform, dtype = "cpu", "float32"
   else:
     os.environ.setdefault("XLA_FLAGS", GPU_FLAGS)
+  args.steps = args.steps or 30
   defaults = dict(preset=args.preset, batch=args.batch, seq=args.seq, micro=args.micro,
                   unroll=args.unroll, steps=args.steps, dtype=dtype, platform=platform)
   configs = [parse(n, defaults) for n in args.configs.split(",")]
+  if args.quick:  # every configuration tiny (plumbing check of a GPU suite on CPU)
+    for c in configs:
+      c.update(preset="tiny", seq=64, unroll=1, batch=min(c["batch"], 16),
+               remat=c.get("remat", "none"))
   print(f"# XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; {len(configs)} configurations, "
         f"{args.steps} steps each", flush=True)
   rows = run_all(configs, args.timeout, args.pair_single, args.budget, args.single_gpu)

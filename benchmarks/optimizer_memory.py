@@ -2,6 +2,14 @@
 
   PYTHONPATH=. python benchmarks/optimizer_memory.py [--preset gpt2-small] [--csv OUT.csv]
   PYTHONPATH=. python benchmarks/optimizer_memory.py --quick     # tiny model (CPU smoke run)
+  PYTHONPATH=. python benchmarks/optimizer_memory.py --devices 4 [--state-only]
+
+``--devices N`` (in a process that sees N devices; one-device rows need a one-device process
+and are skipped there) measures rows on an N-device mesh (``fsdpN``, ``dataN``: AdamW and Shampoo with its
+block factors split over the devices); every figure is then per device, divided by the full
+parameter count N_params (bytes per parameter per device). On CPU, simulate the devices with
+XLA_FLAGS=--xla_force_host_platform_device_count=N. ``--state-only`` skips compiling: the
+state column is exact from the state's shardings (shard shapes), temp and peak are left out.
 
 For every optimizer the full training step (collector scan, optimizer update, skip guard,
 metrics; ``scaleopt.train``) is compiled, not run, with the state donated, on a batch so small
@@ -34,18 +42,32 @@ from scaleopt.train import config as C
 from scaleopt.train import loop
 
 BC = {"name": "adamw_bc"}
+BF16 = {"mu_dtype": "bfloat16"}
 OPTIMIZERS = [
     ("adamw", {"name": "adamw"}),
+    ("adamw, bf16 first moment", {"name": "adamw", "extra": BF16}),
     ("adamw_bc std (all)", dict(BC, extra={"mode": "std"})),
     ("adamw_bc inv (all, Welford)", dict(BC, extra={"mode": "inv"})),
     ("adamw_bc full, A/B", dict(BC, extra={"mode": "full", "crossfit": "ab"})),
     ("adamw_bc full, rolling-B", dict(BC, extra={"mode": "full", "crossfit": "rolling_b"})),
     ("adamw_bc full, symmetric", dict(BC, extra={"mode": "full", "crossfit": "symmetric"})),
     ("adamw_bc full, LOO", dict(BC, extra={"mode": "full", "crossfit": "loo"})),
+    ("adamw_bc full, LOO, bf16 first moment",
+     dict(BC, extra={"mode": "full", "crossfit": "loo", **BF16})),
     ("sophia (GNB)", {"name": "sophia"}),
+    ("sophia (GNB), bf16 first moment", {"name": "sophia", "extra": BF16}),
     ("shampoo, block 512", {"name": "shampoo", "extra": {"block_size": 512}}),
     ("shampoo, block 1024", {"name": "shampoo", "extra": {"block_size": 1024}}),
+    ("shampoo, block 1024, bf16 first moment",
+     {"name": "shampoo", "extra": {"block_size": 1024, **BF16}}),
     ("muon", {"name": "muon"}),
+]
+# (name, optimizer, mesh axis) rows added by --devices N
+MESH_ROWS = [
+    ("adamw", {"name": "adamw"}, "fsdp"),
+    ("shampoo, block 1024", {"name": "shampoo", "extra": {"block_size": 1024}}, "fsdp"),
+    ("adamw", {"name": "adamw"}, "data"),
+    ("shampoo, block 1024", {"name": "shampoo", "extra": {"block_size": 1024}}, "data"),
 ]
 
 
@@ -53,27 +75,41 @@ def _bytes(tree) -> int:
   return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-def measure(preset: str, opt: dict, seq: int, dtype: str) -> dict:
+def _device_bytes(tree, shardings) -> int:
+  """Bytes one device holds of ``tree`` (leaves of ShapeDtypeStruct) under ``shardings``."""
+  return int(sum(np.prod(sh.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+                 for x, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))))
+
+
+def measure(preset: str, opt: dict, seq: int, dtype: str, mesh: dict = None,
+            state_only: bool = False) -> dict:
+  mesh = mesh or {"data": 1}
+  n_dev = int(np.prod(list(mesh.values())))
   raw = {"run": {"steps": 1, "progress": False, "plot": False, "tensorboard": False},
          "model": {"preset": preset, "dtype": dtype, "max_seq_len": seq},
-         "data": {"source": "embedded", "seq_len": seq, "batch_size": 2, "microbatches": 2},
-         "optimizer": opt, "mesh": {"data": 1}}
+         "data": {"source": "embedded", "seq_len": seq, "batch_size": 2 * n_dev,
+                  "microbatches": 2},
+         "optimizer": opt, "mesh": dict({"data": 1, "fsdp": 1, "tensor": 1}, **mesh)}
   s = loop.setup(C.from_dict(raw))
   fns = loop.compile_fns(s)
+  n = models.count_params(s.model.cfg)
+  state = _device_bytes(fns.state_shape.opt_state, fns.state_sh.opt_state) / n
+  base = dict(params=n, devices=n_dev, mesh="x".join(f"{k}{v}" for k, v in mesh.items()),
+              state=state, layout=s.spec.layout)
+  if state_only:
+    return base
   st = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                     fns.state_shape, fns.state_sh)
   groups = s.spec.num_groups
-  shape = (2 * groups, 1, seq + 1)
+  shape = (2 * groups, n_dev, seq + 1)
   batch = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=fns.batch_sh)}
   if s.spec.layout == "rolling_b":
     batch["b_tokens"] = batch["tokens"]
   ma = fns.train_step.lower(st, batch).compile().memory_analysis()
-  n = models.count_params(s.model.cfg)
   peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
           + ma.temp_size_in_bytes)
-  return dict(params=n, state=_bytes(fns.state_shape.opt_state) / n,
-              temp=ma.temp_size_in_bytes / n, peak=peak / n,
-              args=ma.argument_size_in_bytes / n, layout=s.spec.layout)
+  return dict(base, temp=ma.temp_size_in_bytes / n, peak=peak / n,
+              args=ma.argument_size_in_bytes / n)
 
 
 def main(argv=None) -> int:
@@ -81,35 +117,40 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="tiny model (CPU smoke run)")
   ap.add_argument("--preset", default="gpt2-small")
   ap.add_argument("--only", help="comma-separated row numbers (0-based) to measure")
+  ap.add_argument("--devices", type=int, default=0,
+                  help="also measure AdamW and Shampoo on fsdpN and dataN meshes")
+  ap.add_argument("--state-only", action="store_true",
+                  help="state bytes from the shardings only (no compile)")
   ap.add_argument("--csv")
   args = ap.parse_args(argv)
   preset, seq, dtype = args.preset, 16, "bfloat16"
   if args.quick:
     preset, dtype = "tiny", "float32"
   dev = jax.devices()[0]
-  print(f"# device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, preset {preset}",
-        flush=True)
-  rows = []
+  print(f"# device: {dev.device_kind} ({dev.platform}) x {jax.device_count()}, jax "
+        f"{jax.__version__}, preset {preset}", flush=True)
+  if args.devices > jax.device_count():
+    print(f"--devices {args.devices}: only {jax.device_count()} devices", file=sys.stderr)
+    return 2
   todo = [OPTIMIZERS[int(i)] for i in args.only.split(",")] if args.only else OPTIMIZERS
-  for name, opt in todo:
+  # one-device rows need a one-device process (the mesh takes every visible device)
+  todo = [(name, opt, None) for name, opt in todo] if jax.device_count() == 1 else []
+  if args.devices > 1:
+    todo += [(name, opt, {axis: args.devices}) for name, opt, axis in MESH_ROWS]
+  rows = []
+  for name, opt, mesh in todo:
     try:
-      r = dict(optimizer=name, **measure(preset, opt, seq, dtype))
+      r = dict(optimizer=name, **measure(preset, opt, seq, dtype, mesh, args.state_only))
     except Exception as e:  # pylint: disable=broad-except
-      r = dict(optimizer=name, error=f"{type(e).__name__}: {str(e)[:200]}")
+      r = dict(optimizer=name, mesh=str(mesh), error=f"{type(e).__name__}: {str(e)[:200]}")
     rows.append(r)
     print(f"# {r}", flush=True)
-  print(f"\n{rows[0].get('params', 0) / 1e6:.1f}M parameters (float32: 4 bytes each)\n")
-  print("| optimizer | collector layout | state bytes/param | step temp bytes/param | "
-        "peak bytes/param | peak vs adamw |")
-  print("|---|---|---|---|---|---|")
-  base = next((r["peak"] for r in rows if r["optimizer"] == "adamw" and "peak" in r), None)
-  for r in rows:
-    if "error" in r:
-      print(f"| {r['optimizer']} | - | {r['error']} | - | - | - |")
-      continue
-    rel = f"{r['peak'] / base:.2f}x" if base else "-"
-    print(f"| {r['optimizer']} | {r['layout']} | {r['state']:.2f} | {r['temp']:.2f} | "
-          f"{r['peak']:.2f} | {rel} |")
+  if not rows:
+    print("no rows: one-device rows need one visible device, mesh rows --devices N")
+    return 2
+  print(f"\n{rows[0].get('params', 0) / 1e6:.1f}M parameters (float32: 4 bytes each); "
+        "bytes per parameter per device\n")
+  print(table(rows))
   if args.csv:
     keys = sorted({k for r in rows for k in r})
     with open(args.csv, "w", newline="") as f:
@@ -117,6 +158,24 @@ def main(argv=None) -> int:
       w.writeheader()
       w.writerows(rows)
   return 0
+
+
+def table(rows: list) -> str:
+  """Markdown table; "vs adamw" divides by the adamw row on the same mesh."""
+  out = ["| optimizer | mesh | collector layout | state bytes/param/device | step temp "
+         "bytes/param/device | peak bytes/param/device | peak vs adamw |",
+         "|---|---|---|---|---|---|---|"]
+  base = {r["mesh"]: r.get("peak") for r in rows if r["optimizer"] == "adamw" and "state" in r}
+  for r in rows:
+    if "error" in r:
+      out.append(f"| {r['optimizer']} | {r.get('mesh', '-')} | - | {r['error']} | - | - | - |")
+      continue
+    fmt = lambda k: f"{r[k]:.2f}" if k in r else "-"
+    b = base.get(r["mesh"])
+    rel = f"{r['peak'] / b:.2f}x" if b and "peak" in r else "-"
+    out.append(f"| {r['optimizer']} | {r['mesh']} | {r['layout']} | {fmt('state')} | "
+               f"{fmt('temp')} | {fmt('peak')} | {rel} |")
+  return "\n".join(out)
 
 
 if __name__ == "__main__":

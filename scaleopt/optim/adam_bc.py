@@ -343,6 +343,7 @@ def scale_by_adam_bc(
     std_warmup_steps: int = 0,
     skip_nonfinite: bool = True,
     state_dtype: str = "float32",
+    mu_dtype: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Adam's scaling with cross-fitting and variance-corrected inversion.
 
@@ -373,6 +374,9 @@ def scale_by_adam_bc(
     skip_nonfinite: a tensor with a non-finite update gets a zero update and keeps its
       moments; the count is in ``state.skipped`` (the train step treats it as a skipped step).
     state_dtype: dtype of m and v (float32 by default, also for bf16 parameters).
+    mu_dtype: dtype of m alone (as ``optax.adamw``'s ``mu_dtype``; None = ``state_dtype``),
+      e.g. ``bfloat16`` to halve the first moment's memory. As in optax, b1 m + (1 - b1) g
+      runs in float32 from the stored m, and m is rounded to ``mu_dtype`` when stored.
 
   Numeric arguments may be arrays (``optax.inject_hyperparams`` turns them into state).
   """
@@ -381,15 +385,17 @@ def scale_by_adam_bc(
     raise ValueError("crossfit_alpha_adaptive applies to crossfit='ab' or 'rolling_b'")
   spec = adam_bc_collector_spec(mode, crossfit, correction, v_source)
   state_dtype = jnp.dtype(state_dtype)
+  mu_dtype = state_dtype if mu_dtype is None else jnp.dtype(mu_dtype)
   h = _Hyper(b1, b2, eps, correction, v_source, correction_scale, reference_pre_ema,
              crossfit_alpha, crossfit_alpha_adaptive)
   hp = lambda: {k: jnp.asarray(v, jnp.float32) for k, v in (("b1", b1), ("b2", b2), ("eps", eps))}
   is_zero = lambda v: isinstance(v, (int, float)) and v == 0
 
   def init_fn(params):
-    z = lambda p: jnp.zeros(jnp.shape(p), state_dtype)
-    return ScaleByAdamBCState(jnp.zeros([], jnp.int32), jax.tree.map(z, params),
-                              jax.tree.map(z, params), jnp.zeros([], jnp.int32), Static(spec), hp())
+    z = lambda dt: lambda p: jnp.zeros(jnp.shape(p), dt)
+    return ScaleByAdamBCState(jnp.zeros([], jnp.int32), jax.tree.map(z(mu_dtype), params),
+                              jax.tree.map(z(state_dtype), params), jnp.zeros([], jnp.int32),
+                              Static(spec), hp())
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     del params
@@ -415,8 +421,9 @@ def scale_by_adam_bc(
     if skip_nonfinite and mode != "std":
       u, (m_new, v_new), skipped = keep_finite(u, ((m_new, state.mu), (v_new, state.nu)))
     out = tmap(lambda x, ref: x.astype(ref.dtype), u, updates)
-    cast = lambda tr: tmap(lambda x: x.astype(state_dtype), tr)
-    return out, ScaleByAdamBCState(count_inc, cast(m_new), cast(v_new), skipped, state.spec, hp())
+    cast = lambda tr, dt: tmap(lambda x: x.astype(dt), tr)
+    return out, ScaleByAdamBCState(count_inc, cast(m_new, mu_dtype), cast(v_new, state_dtype),
+                                   skipped, state.spec, hp())
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -444,6 +451,7 @@ def adamw_bc(
     std_warmup_steps: int = 0,
     skip_nonfinite: bool = True,
     state_dtype: str = "float32",
+    mu_dtype: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """AdamW with bias correction: ``scale_by_adam_bc`` + decoupled weight decay + learning rate.
 
@@ -471,14 +479,15 @@ def adamw_bc(
                        crossfit_alpha_adaptive=crossfit_alpha_adaptive,
                        update_clip=update_clip, support_clip_tau=support_clip_tau,
                        std_warmup_steps=std_warmup_steps, skip_nonfinite=skip_nonfinite,
-                       state_dtype=state_dtype),
+                       state_dtype=state_dtype, mu_dtype=mu_dtype),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )
   if sparse_filter is None:
     return dense
   sparse = optax.chain(
-      full_batch(scale_by_adam_bc(b1, b2, eps, mode="std", state_dtype=state_dtype)),
+      full_batch(scale_by_adam_bc(b1, b2, eps, mode="std", state_dtype=state_dtype,
+                                  mu_dtype=mu_dtype)),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(
           learning_rate if sparse_learning_rate is None else sparse_learning_rate),

@@ -174,12 +174,13 @@ def _kwargs_of(fn: Callable, *drop: str) -> tuple[str, ...]:
 
 # ----------------------------------------------------------------------------- shipped names
 
-@register_optimizer("adamw", extra_keys=())
+@register_optimizer("adamw", extra_keys=("mu_dtype",))
 def _adamw(cfg, lr, *, wd_mask, sparse_filter):
-  """optax.adamw with the paper's pretraining betas (0.9, 0.95, 1e-8) unless set."""
+  """optax.adamw with the paper's pretraining betas (0.9, 0.95, 1e-8) unless set; extra
+  ``mu_dtype`` (e.g. ``bfloat16``) is optax's first-moment dtype."""
   del sparse_filter
   betas = {"b1": 0.9, "b2": 0.95, "eps": 1e-8, **cfg.betas()}
-  return optax.adamw(lr, **betas, weight_decay=cfg.weight_decay, mask=wd_mask)
+  return optax.adamw(lr, **betas, weight_decay=cfg.weight_decay, mask=wd_mask, **cfg.extra)
 
 
 _ADAMW_BC_KEYS = _kwargs_of(adam_bc.adamw_bc, "sparse_filter", "sparse_learning_rate") + (

@@ -441,7 +441,7 @@ register_estimator("shampoo", shampoo_collect)
 
 # ----------------------------------------------------------------------------- transform
 
-def _init(params, exclude, eligible, block_size, graft):
+def _init(params, exclude, eligible, block_size, graft, mu_dtype):
   leaves, td = jax.tree.flatten(params, is_leaf=_is_masked)
   ex = exclude(params) if callable(exclude) else exclude
   excl = [False] * len(leaves) if exclude is None else [bool(e) for e in td.flatten_up_to(ex)]
@@ -461,7 +461,7 @@ def _init(params, exclude, eligible, block_size, graft):
                                        PL=eye(bs1), PR=eye(bs2))
     need_nu = (not ok) or graft == "adam"
     nu.append(jnp.zeros(jnp.shape(p), jnp.float32) if need_nu else jnp.zeros((), jnp.float32))
-  mu = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+  mu = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), mu_dtype), params)
   return mu, jax.tree.unflatten(td, nu), factors
 
 
@@ -577,6 +577,7 @@ def scale_by_shampoo(
     mode: str = "std",
     crossfit: str = "ab",
     correction_scale: float = 1.0,
+    mu_dtype: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Shampoo's scaling with an AdamW fallback; see the module docstring.
 
@@ -604,6 +605,9 @@ def scale_by_shampoo(
       of vectors (AdamW); ``none``: only rank-2 tensors are matrices.
     mode: ``std|cf|inv|full``; crossfit: ``ab`` or ``rolling_b``.
     correction_scale: multiplies the (5/32) lam^{-9/4} Var term.
+    mu_dtype: dtype of the stored momentum M (None: float32; as ``optax.adamw``'s
+      ``mu_dtype``): b1 M + (1 - b1) G runs in float32 from the stored M (as optax's), and M
+      is rounded to ``mu_dtype`` when stored.
   """
   spec = shampoo_collector_spec(mode, crossfit, root_every, block_size)
   _validate(root_method=root_method, graft=graft, stacked=stacked, block_size=block_size,
@@ -616,10 +620,11 @@ def scale_by_shampoo(
   root_kw = dict(root_method=root_method, damping=damping, floor=eig_floor_ratio * damping,
                  newton_iters=newton_iters, correction_scale=correction_scale, d_max=d_max)
 
+  mu_dt = jnp.dtype(jnp.float32 if mu_dtype is None else mu_dtype)
   eligible = functools.partial(_eligible, stacked=stacked, min_dim=min_dim, max_dim=max_dim)
 
   def init_fn(params):
-    mu, nu, factors = _init(params, exclude, eligible, block_size, graft)
+    mu, nu, factors = _init(params, exclude, eligible, block_size, graft, mu_dt)
     return ScaleByShampooState(jnp.zeros([], jnp.int32), mu, nu, factors, Static(spec), hp())
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
@@ -654,6 +659,7 @@ def scale_by_shampoo(
         dict(b1=b1, ab1=ab1, ab2=ab2, eps=eps, graft=graft, update_clip_fro=update_clip_fro))
     un = lambda l: jax.tree.unflatten(td, l)
     fac = {k: ShampooFactors(*map(_on_owner, f)) for k, f in fac.items()}
+    out_mu = [m if _is_masked(m) else m.astype(mu_dt) for m in out_mu]
     return un(out_u), ScaleByShampooState(count_inc, un(out_mu), un(out_nu), fac, state.spec,
                                           hp())
 

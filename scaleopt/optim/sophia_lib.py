@@ -232,6 +232,7 @@ def scale_by_sophia(
     hessian_first: bool = True,
     skip_nonfinite: bool = True,
     state_dtype=jnp.float32,
+    mu_dtype=None,
 ) -> optax.GradientTransformationExtraArgs:
   """Sophia's scaling (see the module docstring); ``update(g, state, params, *, bc_stats)``.
 
@@ -255,6 +256,9 @@ def scale_by_sophia(
     skip_nonfinite: a tensor with a non-finite update gets a zero update and keeps its state
       (counted in ``state.skipped``).
     state_dtype: dtype of mu, h, inv.
+    mu_dtype: dtype of mu alone (None = ``state_dtype``; as ``optax.adamw``'s ``mu_dtype``):
+      the momentum update b1 m + (1 - b1) g runs in float32 from the stored m (as optax's) and
+      m is rounded to ``mu_dtype`` when stored.
   """
   correction = _resolve(mode, correction)
   statistic = statistic or ("sq_of_mean" if mode == "std" else "mean_sq")
@@ -265,11 +269,14 @@ def scale_by_sophia(
   if denominator_scale == "reference" and (bs is None or bs <= 0):
     raise ValueError("denominator_scale='reference' needs bs > 0 (examples per step)")
   a = rho * (float(bs) if denominator_scale == "reference" else 1.0)  # p = a h + eps
+  mu_dt = jnp.dtype(state_dtype if mu_dtype is None else mu_dtype)
+  m_dt = jnp.promote_types(mu_dt, jnp.float32) if mu_dtype is not None else mu_dt  # arithmetic
 
   def init_fn(params):
     z = lambda p: jnp.zeros(jnp.shape(p), state_dtype)
     return ScaleBySophiaState(
-        jnp.zeros([], jnp.int32), jax.tree.map(z, params), jax.tree.map(z, params),
+        jnp.zeros([], jnp.int32),
+        jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), mu_dt), params), jax.tree.map(z, params),
         jax.tree.map(lambda p: jnp.full(jnp.shape(p), 1.0 / eps, state_dtype), params),
         jnp.zeros([], jnp.int32), Static(spec), {})
 
@@ -292,7 +299,7 @@ def scale_by_sophia(
     h_new, inv_new = jax.lax.cond(cur.refresh, refreshed, lambda h, s_, v_: (h, state.inv),
                                   state.h, hs, var)
     bc1 = 1.0 - b1 ** count_inc.astype(jnp.float32)
-    mu = tmap(lambda m, g: b1 * m + (1 - b1) * g.astype(state_dtype), state.mu, updates)
+    mu = tmap(lambda m, g: b1 * m + (1 - b1) * g.astype(m_dt), state.mu, updates)
     inv_use = inv_new if hessian_first else state.inv
     u = tmap(lambda m, i: (m / bc1 if bias_correct_momentum else m) * i, mu, inv_use)
     if clip > 0:
@@ -302,6 +309,7 @@ def scale_by_sophia(
       u, (mu, h_new, inv_new), skipped = keep_finite(
           u, ((mu, state.mu), (h_new, state.h), (inv_new, state.inv)), also=inv_new)
     out = tmap(lambda x, g: x.astype(g.dtype), u, updates)
+    mu = tmap(lambda m: m.astype(mu_dt), mu)
     return out, ScaleBySophiaState(count_inc, mu, h_new, inv_new, skipped, state.spec, {})
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
