@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from scaleopt import models
 from scaleopt.train import bridge, checkpoint, data, loop, metrics, step as step_lib
@@ -97,10 +98,13 @@ def group_fns(s: loop.Setup, n: int, shared_batch: bool, key: Optional[str] = No
     return new, {**m, "lr": m["lr"] * lr}
 
   eval_one = step_lib.make_eval_step(model)
+  # init, restore and step all place the state on the setup's (one-device) mesh, so the
+  # state the step returns has the type of the state it took: no second compile.
+  rep = NamedSharding(s.mesh, P())
   fns = GroupFns(
-      init=jax.jit(_cellwise(init, (0,), n)),
+      init=jax.jit(_cellwise(init, (0,), n), out_shardings=rep),
       step=jax.jit(_cellwise(one_step, (0, None if shared_batch else 0, 0), n),
-                   donate_argnums=0),
+                   out_shardings=(rep, None), donate_argnums=0),
       eval=jax.jit(_cellwise(eval_one, (0, None), n)),
       state_shape=jax.eval_shape(init, jnp.zeros((), jnp.int32)))
   if key is not None:
@@ -166,7 +170,7 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
     sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = checkpoint.abstract(fns.state_shape, jax.tree.map(lambda _: sh, fns.state_shape))
     restored = [ck.restore(resume_step, abstract) for ck in ckpts]
-    state = _stack([st for st, _ in restored])
+    state = jax.device_put(_stack([st for st, _ in restored]), NamedSharding(s.mesh, P()))
     for it, (_, ds) in zip(its, restored):
       it.restore(ds)
   else:
