@@ -172,17 +172,19 @@ def _collect(p: subprocess.Popen, deadline: float, c: dict) -> dict:
   return r
 
 
-def run_all(configs: list[dict], timeout: int, pair_single: bool, budget: float,
+def run_all(configs: list[dict], timeout: int, pair_single, budget: float,
             single_gpu: str = "0") -> list[dict]:
-  """Runs in the given order (consecutive one-GPU configurations two at a time with
-  ``pair_single``); configurations that would start after ``budget`` seconds are skipped."""
+  """Runs in the given order (up to ``pair_single`` consecutive one-GPU configurations at a
+  time, one per GPU; True means 2); configurations that would start after ``budget`` seconds
+  are skipped."""
+  width = 2 if pair_single is True else int(pair_single or 1)
   t0, results, i = time.time(), {}, 0
   gpu = configs[0]["platform"] != "cpu"
   while i < len(configs):
     group = [configs[i]]
-    if pair_single and gpu and configs[i]["n"] == 1 and i + 1 < len(configs) \
-        and configs[i + 1]["n"] == 1:
-      group.append(configs[i + 1])
+    while (len(group) < width and configs[i]["n"] == 1 and i + len(group) < len(configs)
+           and configs[i + len(group)]["n"] == 1):
+      group.append(configs[i + len(group)])
     i += len(group)
     if time.time() - t0 > budget:
       for c in group:
@@ -260,6 +262,8 @@ def main(argv=None) -> int:
   ap.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
   ap.add_argument("--pair-single", action="store_true",
                   help="run one-GPU configurations two at a time, one per GPU")
+  ap.add_argument("--parallel-single", type=int, default=0,
+                  help="run up to K consecutive one-GPU configurations at a time, one per GPU")
   ap.add_argument("--single-gpu", default="0", help="GPU for unpaired one-GPU configurations")
   ap.add_argument("--budget", type=float, default=1e9,
                   help="start no configuration after this many seconds")
@@ -286,7 +290,8 @@ def main(argv=None) -> int:
                remat=c.get("remat", "none"))
   print(f"# XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; {len(configs)} configurations, "
         f"{args.steps} steps each", flush=True)
-  rows = run_all(configs, args.timeout, args.pair_single, args.budget, args.single_gpu)
+  width = args.parallel_single or (2 if args.pair_single else 1)
+  rows = run_all(configs, args.timeout, width, args.budget, args.single_gpu)
   print()
   print(table(rows))
   if args.csv:

@@ -145,19 +145,23 @@ def main(argv=None) -> int:
       r = dict(optimizer=name, mesh=str(mesh), error=f"{type(e).__name__}: {str(e)[:200]}")
     rows.append(r)
     print(f"# {r}", flush=True)
+    if args.csv:  # after every row: a run cut short by a timeout keeps what it measured
+      _write_csv(args.csv, rows)
   if not rows:
     print("no rows: one-device rows need one visible device, mesh rows --devices N")
     return 2
   print(f"\n{rows[0].get('params', 0) / 1e6:.1f}M parameters (float32: 4 bytes each); "
         "bytes per parameter per device\n")
   print(table(rows))
-  if args.csv:
-    keys = sorted({k for r in rows for k in r})
-    with open(args.csv, "w", newline="") as f:
-      w = csv.DictWriter(f, fieldnames=keys)
-      w.writeheader()
-      w.writerows(rows)
   return 0
+
+
+def _write_csv(path: str, rows: list) -> None:
+  keys = sorted({k for r in rows for k in r})
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=keys)
+    w.writeheader()
+    w.writerows(rows)
 
 
 def table(rows: list) -> str:

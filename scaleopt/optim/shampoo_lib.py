@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
@@ -167,8 +168,10 @@ def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 3
 def _mesh():
   """The mesh the step is traced under (``scaleopt.models.sharding.constraints``), or None
   when it has a single device."""
-  from scaleopt.models.sharding import current_mesh  # the optimizer does not need the models
-  mesh = current_mesh()
+  # read without importing the models (scaleopt.optim never imports flax): if the module is not
+  # loaded, no step is traced under its context
+  mod = sys.modules.get("scaleopt.models.sharding")
+  mesh = mod.current_mesh() if mod is not None else None
   return mesh if mesh is not None and mesh.size > 1 else None
 
 

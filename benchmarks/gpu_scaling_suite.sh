@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Scale-out measurements on one host with 4 GPUs, in one call of under 9 minutes:
+#
+#   1 GPU (4 runs side by side, one per GPU): gpt2-small AdamW at 16 and 64 sequences per step
+#     (1 and 2 microbatches) and Shampoo (grafted, roots every 10) at 64
+#   4 GPUs: gpt2-small AdamW data4 / fsdp4 (64 sequences: 16 per GPU, the weak-scaling
+#     baseline is data1 at 16), Shampoo data4 with its block factors split over the GPUs,
+#     adamw_bc (LOO) and sophia_bc at 64 sequences; then qwen2.5-0.5b fsdp4 (32 x 1024)
+#   if time is left: Shampoo fsdp4, and on 2 GPUs AdamW data2 and Shampoo data2 (64 sequences)
+#   optimizer memory (bytes per parameter per device) on the CPU, in the background: state
+#     bytes on 1 and 4 devices from the shardings, then the one-device compiled table
+#
+# Every number has its same-run baseline in the same table (benchmarks/mesh_throughput.py:
+# "vs one GPU", "vs 1 GPU/GPU-batch", "vs adamw step", "vs adamw token").
+#
+#   OUT=/tmp/suite bash benchmarks/gpu_scaling_suite.sh
+#   SCALEOPT_SUITE_DRY=1 OUT=/tmp/suite bash benchmarks/gpu_scaling_suite.sh   # CPU plumbing check
+#
+# Writes at most 8 files into $OUT: suite.log (everything), env.txt, mesh_1gpu.csv,
+# mesh_4gpu.csv, mesh_qwen.csv, mesh_extra.csv, memory_devices.csv, memory_1dev.csv.
+# Stops starting new work after SUITE_BUDGET seconds (default 470) and kills what still runs
+# at SUITE_DEADLINE (default 525).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_suite}
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python}
+BUDGET=${SUITE_BUDGET:-470}
+DEADLINE=${SUITE_DEADLINE:-525}
+DRY=${SCALEOPT_SUITE_DRY:-0}
+LOG="$OUT/suite.log"
+: > "$LOG"
+log() { echo "[suite $(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$LOG"; }
+
+if [ "$DRY" = 1 ]; then
+  MT=(--quick --steps 2)
+  MEM=(--quick)
+  STEPS=2
+else
+  MT=(--steps 21 --unroll 12)
+  MEM=()
+  STEPS=21
+fi
+
+{
+  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | head -6
+  $PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)" 2>&1
+  git rev-parse HEAD 2>/dev/null; echo "dry=$DRY steps=$STEPS budget=$BUDGET deadline=$DEADLINE"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt" >> "$LOG"
+
+left() { echo $(( BUDGET - SECONDS )); }
+
+# mesh_throughput with the time left (seconds); per-configuration timeout $2
+mt() {
+  local name=$1 timeout=$2 configs=$3; shift 3
+  local b; b=$(left)
+  if [ "$b" -le 20 ]; then log "$name: skipped (time budget)"; return; fi
+  log "$name: $configs"
+  timeout --kill-after=5 $(( DEADLINE - SECONDS )) \
+    $PY benchmarks/mesh_throughput.py "${MT[@]}" --configs "$configs" --timeout "$timeout" \
+    --budget "$b" --csv "$OUT/$name.csv" "$@" >> "$LOG" 2>&1
+  log "$name: exit $?"
+}
+
+# optimizer memory on the CPU in the background (no GPU time, no interference with timings):
+# state bytes per device on 1 and 4 simulated devices (no compile, seconds), then the
+# one-device compiled table until the deadline
+(
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
+    timeout 120 $PY benchmarks/optimizer_memory.py "${MEM[@]}" --devices 4 --state-only \
+    --csv "$OUT/memory_devices.csv" > "$OUT/.mem4.log" 2>&1
+  JAX_PLATFORMS=cpu timeout $(( DEADLINE - 30 )) $PY benchmarks/optimizer_memory.py "${MEM[@]}" \
+    --csv "$OUT/memory_1dev.csv" > "$OUT/.mem1.log" 2>&1
+) &
+MEMPID=$!
+
+G=gpt2-small
+mt mesh_1gpu 170 "data1+b16+m1,data1+b64+m1,data1+b64+m2,data1+b64+m2+optshampoo" \
+  --parallel-single 4
+mt mesh_4gpu 110 "data4+b64+m1,fsdp4+b64+m1,data4+b64+m1+optshampoo,\
+data4+b64+m4+optadamw_bc+ecrossfit=loo,data4+b64+m4+optsophia_bc"
+mt mesh_qwen 170 "fsdp4+b32+m1+pqwen2.5-0.5b"
+mt mesh_extra 100 "fsdp4+b64+m1+optshampoo,data2+b64+m1,data2+b64+m1+optshampoo"
+
+log "waiting for the memory table"
+while kill -0 $MEMPID 2>/dev/null && [ $SECONDS -lt $DEADLINE ]; do sleep 2; done
+kill $MEMPID 2>/dev/null
+for f in .mem4.log .mem1.log; do
+  [ -f "$OUT/$f" ] && { echo "---- $f"; cat "$OUT/$f"; } >> "$LOG" && rm -f "$OUT/$f"
+done
+log "done; files: $(ls "$OUT" | tr '\n' ' ')"
