@@ -16,8 +16,8 @@
 #   OUT=/tmp/suite bash benchmarks/gpu_scaling_suite.sh
 #   SCALEOPT_SUITE_DRY=1 OUT=/tmp/suite bash benchmarks/gpu_scaling_suite.sh   # CPU plumbing check
 #
-# Writes at most 8 files into $OUT: suite.log (everything), env.txt, mesh_1gpu.csv,
-# mesh_4gpu.csv, mesh_qwen.csv, mesh_extra.csv, memory_devices.csv, memory_1dev.csv.
+# Writes 6 files into $OUT: suite.log (everything, with the combined table), env.txt,
+# mesh.jsonl and mesh.csv (every throughput row), memory_devices.csv, memory_1dev.csv.
 # Stops starting new work after SUITE_BUDGET seconds (default 470) and kills what still runs
 # at SUITE_DEADLINE (default 525).
 set -u
@@ -60,7 +60,7 @@ mt() {
   log "$name: $configs"
   timeout --kill-after=5 $(( DEADLINE - SECONDS )) \
     $PY benchmarks/mesh_throughput.py "${MT[@]}" --configs "$configs" --timeout "$timeout" \
-    --budget "$b" --csv "$OUT/$name.csv" "$@" >> "$LOG" 2>&1
+    --budget "$b" --jsonl "$OUT/mesh.jsonl" "$@" >> "$LOG" 2>&1
   log "$name: exit $?"
 }
 
@@ -83,6 +83,10 @@ mt mesh_4gpu 110 "data4+b64+m1,fsdp4+b64+m1,data4+b64+m1+optshampoo,\
 data4+b64+m4+optadamw_bc+ecrossfit=loo,data4+b64+m4+optsophia_bc"
 mt mesh_qwen 170 "fsdp4+b32+m1+pqwen2.5-0.5b"
 mt mesh_extra 100 "fsdp4+b64+m1+optshampoo,data2+b64+m1,data2+b64+m1+optshampoo"
+
+log "all throughput rows in one table (ratios across the runs above, same machine)"
+$PY benchmarks/mesh_throughput.py --table-from "$OUT/mesh.jsonl" --csv "$OUT/mesh.csv" \
+  >> "$LOG" 2>&1
 
 log "waiting for the memory table"
 while kill -0 $MEMPID 2>/dev/null && [ $SECONDS -lt $DEADLINE ]; do sleep 2; done

@@ -268,9 +268,18 @@ def main(argv=None) -> int:
   ap.add_argument("--budget", type=float, default=1e9,
                   help="start no configuration after this many seconds")
   ap.add_argument("--csv", help="write the rows here")
+  ap.add_argument("--jsonl", help="append the rows here (one JSON object per line)")
+  ap.add_argument("--table-from", help="print one table (and --csv) of the rows of these "
+                  "comma-separated JSONL files, several runs on one machine together")
   args = ap.parse_args(argv)
   if args.one:
     print(json.dumps(run_one(json.loads(args.one))), flush=True)
+    return 0
+  if args.table_from:
+    rows = [json.loads(l) for f in args.table_from.split(",") if os.path.exists(f)
+            for l in open(f) if l.strip()]
+    print(table(rows))
+    _write_csv(args.csv, rows)
     return 0
   platform, dtype = "gpu", "bfloat16"
   if args.quick:
@@ -294,13 +303,21 @@ def main(argv=None) -> int:
   rows = run_all(configs, args.timeout, width, args.budget, args.single_gpu)
   print()
   print(table(rows))
-  if args.csv:
-    keys = sorted({k for r in rows for k in r})
-    with open(args.csv, "w", newline="") as f:
-      w = csv.DictWriter(f, fieldnames=keys)
-      w.writeheader()
-      w.writerows(rows)
+  _write_csv(args.csv, rows)
+  if args.jsonl:
+    with open(args.jsonl, "a") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
   return 0 if all("error" not in r for r in rows) else 1
+
+
+def _write_csv(path, rows: list) -> None:
+  if not path:
+    return
+  keys = sorted({k for r in rows for k in r})
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=keys)
+    w.writeheader()
+    w.writerows(rows)
 
 
 if __name__ == "__main__":

@@ -87,8 +87,8 @@ def measure(preset: str, opt: dict, seq: int, dtype: str, mesh: dict = None,
   n_dev = int(np.prod(list(mesh.values())))
   raw = {"run": {"steps": 1, "progress": False, "plot": False, "tensorboard": False},
          "model": {"preset": preset, "dtype": dtype, "max_seq_len": seq},
-         "data": {"source": "embedded", "seq_len": seq, "batch_size": 2 * n_dev,
-                  "microbatches": 2},
+         "data": {"source": "embedded", "seq_len": seq, "batch_size": 4 * n_dev,
+                  "microbatches": 4},
          "optimizer": opt, "mesh": dict({"data": 1, "fsdp": 1, "tensor": 1}, **mesh)}
   s = loop.setup(C.from_dict(raw))
   fns = loop.compile_fns(s)
@@ -101,7 +101,7 @@ def measure(preset: str, opt: dict, seq: int, dtype: str, mesh: dict = None,
   st = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                     fns.state_shape, fns.state_sh)
   groups = s.spec.num_groups
-  shape = (2 * groups, n_dev, seq + 1)
+  shape = (4 * groups, n_dev, seq + 1)
   batch = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=fns.batch_sh)}
   if s.spec.layout == "rolling_b":
     batch["b_tokens"] = batch["tokens"]
