@@ -5,7 +5,7 @@
 #     (1 and 2 microbatches) and Shampoo (grafted, roots every 10) at 64
 #   4 GPUs: gpt2-small AdamW data4 / fsdp4 (64 sequences: 16 per GPU, the weak-scaling
 #     baseline is data1 at 16), Shampoo data4 with its block factors split over the GPUs,
-#     adamw_bc (LOO) and sophia_bc at 64 sequences; then qwen2.5-0.5b fsdp4 (32 x 1024)
+#     qwen2.5-0.5b fsdp4 (32 x 1024), adamw_bc (LOO) and sophia_bc at 64 sequences
 #   if time is left: Shampoo fsdp4, and on 2 GPUs AdamW data2 and Shampoo data2 (64 sequences)
 #   optimizer memory (bytes per parameter per device) on the CPU, in the background: state
 #     bytes on 1 and 4 devices from the shardings, then the one-device compiled table
@@ -79,9 +79,9 @@ MEMPID=$!
 G=gpt2-small
 mt mesh_1gpu 170 "data1+b16+m1,data1+b64+m1,data1+b64+m2,data1+b64+m2+optshampoo" \
   --parallel-single 4
-mt mesh_4gpu 110 "data4+b64+m1,fsdp4+b64+m1,data4+b64+m1+optshampoo,\
-data4+b64+m4+optadamw_bc+ecrossfit=loo,data4+b64+m4+optsophia_bc"
+mt mesh_4gpu 110 "data4+b64+m1,fsdp4+b64+m1,data4+b64+m1+optshampoo"
 mt mesh_qwen 170 "fsdp4+b32+m1+pqwen2.5-0.5b"
+mt mesh_bc 110 "data4+b64+m4+optadamw_bc+ecrossfit=loo,data4+b64+m4+optsophia_bc"
 mt mesh_extra 100 "fsdp4+b64+m1+optshampoo,data2+b64+m1,data2+b64+m1+optshampoo"
 
 log "all throughput rows in one table (ratios across the runs above, same machine)"
