@@ -25,7 +25,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_suite}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 BUDGET=${SUITE_BUDGET:-470}
 DEADLINE=${SUITE_DEADLINE:-525}
 DRY=${SCALEOPT_SUITE_DRY:-0}
