@@ -65,7 +65,7 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng, key = jax.random.split(state.rng)
-    with models.sharding.constraints(model.mesh):  # the optimizer divides work on this mesh
+    with models.sharding.constraints(getattr(model, "mesh", None)):  # optimizer work on the mesh
       stats = optim.collect(model.loss_fn, state.params, batch["tokens"], state.opt_state,
                             key=key, logits_fn=model.logits_fn,
                             b_microbatches=batch.get("b_tokens"))
