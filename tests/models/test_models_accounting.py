@@ -54,5 +54,5 @@ def test_flops_per_token_formula():
   attn = 64 * (4 + 2 * 2) * 16 + 64 * 64
   n = 2 * attn + dense + moe + 64 * 256
   assert models.matmul_params_per_token(m) == n
-  # MFU of the reference: 478k tokens/s at 989 TFLOP/s is about 41 %.
+  # MFU of the 478k tokens/s reference at 989 TFLOP/s is about 41 %.
   assert abs(models.mfu(478e3, g, t, 989e12) - 0.41) < 0.01
