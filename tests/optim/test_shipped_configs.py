@@ -8,10 +8,9 @@ warm-up of at most a fifth of them). The held-out loss must end below the byte-u
 of the validation files, computed directly from their bytes.
 """
 
-import collections
-import functools
 import json
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,9 @@ import yaml
 from scaleopt import models
 from scaleopt.train import bridge, data
 from scaleopt.train import step as step_lib
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "train"))
+from train_helpers import val_unigram_entropy  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS, SEQ, BATCH, M = 200, 32, 16, 2
@@ -46,18 +48,6 @@ def _sections():
 
 
 SECTIONS = _sections()
-
-
-@functools.lru_cache(maxsize=1)
-def _unigram_entropy() -> float:
-  counts, n = collections.Counter(), 0
-  for rel, path in data.stdlib_files():
-    if data.is_val(rel):
-      b = path.read_bytes() + b"\0"
-      counts.update(b)
-      n += len(b)
-  p = np.array(list(counts.values()), np.float64) / n
-  return float(-(p * np.log(p)).sum())
 
 
 def _fit_schedule(opt: dict) -> dict:
@@ -85,6 +75,6 @@ def test_shipped_optimizer_config_trains_below_unigram_entropy(name, opt):
   eval_step = jax.jit(step_lib.make_eval_step(model))
   ev = float(np.mean([eval_step(state.params, jnp.asarray(b))
                       for b in data.eval_batches(val_w, BATCH, 4)]))
-  h = _unigram_entropy()
+  h = val_unigram_entropy()
   assert int(state.skipped) == 0, name
   assert ev < h, (name, ev, h)

@@ -1,6 +1,5 @@
 """End-to-end training on the embedded corpus: learning, exact resume, crash recovery, skips."""
 
-import collections
 import json
 import os
 import pathlib
@@ -19,22 +18,9 @@ from scaleopt.train import config as C
 from scaleopt.train import data as D
 from scaleopt.train import loop, metrics
 
-from train_helpers import run_until, tiny_raw
+from train_helpers import run_until, tiny_raw, val_unigram_entropy
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _val_unigram_entropy() -> float:
-  """Independent reference: byte frequencies of the validation files, read directly."""
-  counts = collections.Counter()
-  n = 0
-  for rel, path in D.stdlib_files():
-    if D.is_val(rel):
-      b = path.read_bytes() + b"\0"
-      counts.update(b)
-      n += len(b)
-  p = np.array(list(counts.values()), np.float64) / n
-  return float(-(p * np.log(p)).sum())
 
 
 def test_tiny_run_beats_unigram_entropy(tmp_path):
@@ -43,7 +29,7 @@ def test_tiny_run_beats_unigram_entropy(tmp_path):
                  model={"d_model": 64, "n_layers": 2, "d_ff": 128},
                  data={"seq_len": 64, "batch_size": 16, "microbatches": 1})
   s = loop.train(C.from_dict(raw), tmp_path)
-  h = _val_unigram_entropy()
+  h = val_unigram_entropy()
   assert 2.5 < h < 4.5  # bytes of Python source
   assert s["final_eval_loss"] < h - 0.4, (s["final_eval_loss"], h)
   rows = metrics.read_metrics(tmp_path / "metrics.jsonl")

@@ -1,6 +1,12 @@
 """Shared helpers for the training-system tests: small configs that compile fast on CPU."""
 
+import collections
 import copy
+import functools
+
+import numpy as np
+
+from scaleopt.train import data as D
 
 BASE = {
     "run": {"seed": 0, "steps": 20, "log_every": 1, "eval_every": 10, "eval_batches": 2,
@@ -56,3 +62,16 @@ def reference_run(directory, raw):
   (directory / "cfg.yaml").write_text(yaml.safe_dump(raw))
   loop.train(config.from_dict(raw), directory / "run")
   return directory / "cfg.yaml", directory / "run"
+
+
+@functools.lru_cache(maxsize=1)
+def val_unigram_entropy() -> float:
+  """Independent reference: byte-unigram entropy (nats) of the validation files, read directly."""
+  counts, n = collections.Counter(), 0
+  for rel, path in D.stdlib_files():
+    if D.is_val(rel):
+      b = path.read_bytes() + b"\0"
+      counts.update(b)
+      n += len(b)
+  p = np.array(list(counts.values()), np.float64) / n
+  return float(-(p * np.log(p)).sum())
