@@ -4,7 +4,7 @@
                  [--print-config] [--dry-run]
   scaleopt sweep --config NAME_OR_YAML --out DIR [--set a.b=v ...]
   scaleopt study --config NAME_OR_YAML --out DIR [--set a.b=v ...] [--cells GLOB ...]
-                 [--max-minutes M] [--shard i/n] [--report-only] [--list]
+                 [--max-minutes M] [--shard i/n] [--claim TOKEN] [--report-only] [--list]
   scaleopt data prepare --input TEXT_OR_DIR --out DIR [--tokenizer bytes|bpe:VOCAB|tokenizer.json]
   scaleopt convert import --hf HF_DIR --out PARAMS_DIR      (Qwen2/Llama safetensors -> Orbax)
   scaleopt convert export --from RUN_OR_PARAMS_DIR --out HF_DIR [--step N] [--dtype bfloat16]
@@ -91,7 +91,8 @@ def _study(args: argparse.Namespace) -> int:
     return 2
   return study_main(args.config, args.out, overrides=args.set, cells=args.cells,
                     max_minutes=args.max_minutes, shard=args.shard,
-                    report_only=args.report_only, list_only=args.list) or 0
+                    report_only=args.report_only, list_only=args.list,
+                    claim=args.claim) or 0
 
 
 def _data_prepare(args: argparse.Namespace) -> int:
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                   help="checkpoint and stop after this long (rerun to continue)")
   st.add_argument("--shard", default=None, metavar="i/n", help="this machine's share of the "
                   "conditions (arm x grid point): condition k runs where k mod n == i")
+  st.add_argument("--claim", default=None, metavar="TOKEN", help="one of several workers "
+                  "sharing --out on one machine (one per GPU): take whole conditions, claimed "
+                  "under DIR/claims/TOKEN; use a new TOKEN for each launch")
   st.add_argument("--report-only", action="store_true", help="rebuild the report, train nothing")
   st.add_argument("--list", action="store_true", help="print the cells left, train nothing")
   st.set_defaults(fn=_study)

@@ -15,6 +15,12 @@ one condition (arm x grid point) always go to the same ``--shard i/n`` (conditio
 k mod n), so the extra seeds at the best learning rate are known where the search ran; folders
 from different machines merge by copying ``cells/`` trees, and a rerun (or ``--report-only``)
 rebuilds the report from every finished cell present.
+
+Several workers on one machine (one per GPU) share one ``--out`` with ``--claim TOKEN``: each
+worker takes whole conditions, the next unfinished one first, by creating
+``DIR/claims/TOKEN/<k>`` (an atomic ``mkdir``), so slow and fast conditions balance themselves.
+A new launch uses a new token, so claims of an interrupted launch never block it; claiming
+workers leave the report to one ``--report-only`` run at the end.
 """
 
 from __future__ import annotations
@@ -226,20 +232,54 @@ def select(st: Study, cells: list[Cell], shard: Optional[str], patterns: Optiona
       not patterns or any(fnmatch.fnmatch(c.id, p) for p in patterns))]
 
 
+class _Claims:
+  """The conditions this worker holds under ``DIR/claims/TOKEN`` (``--claim``)."""
+
+  def __init__(self, st: Study, out: pathlib.Path, token: str):
+    if not token or not all(ch.isalnum() or ch in "-_." for ch in token) or token[0] == ".":
+      raise ConfigError(f"--claim {token!r} must be a name of letters, digits, - _ .")
+    self.dir = out / "claims" / token
+    self.index = {c: k for k, c in enumerate(conditions(st))}
+    self.held: set = set()
+
+  def mine(self, todo: list[Cell]) -> list[Cell]:
+    """The cells of held conditions; when none are left, claims the first free condition
+    with unfinished cells."""
+    self.dir.mkdir(parents=True, exist_ok=True)
+    while True:
+      own = [c for c in todo if self.index[c.condition] in self.held]
+      if own:
+        return own
+      for k in sorted({self.index[c.condition] for c in todo} - self.held):
+        try:
+          (self.dir / str(k)).mkdir()
+        except FileExistsError:
+          continue
+        self.held.add(k)
+        break
+      else:
+        return []
+
+
 def run_study(st: Study, out: pathlib.Path, *, cells: Optional[list[str]] = None,
               max_minutes: Optional[float] = None, shard: Optional[str] = None,
-              train: bool = True) -> dict:
-  """Runs what is left of a study (this shard, matching ``cells``), then writes the report.
+              train: bool = True, claim: Optional[str] = None) -> dict:
+  """Runs what is left of a study (this shard, matching ``cells``; with ``claim``, the
+  conditions this worker claims), then writes the report (not while claiming).
 
   Returns {"ran": n, "left": n, "stopped": reason or None}.
   """
   parse_shard(shard)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "study.yaml").write_text(yaml.safe_dump(st.raw, sort_keys=False))
+  claims = _Claims(st, out, claim) if claim is not None else None
+  if claims is None or not (out / "study.yaml").is_file():
+    (out / "study.yaml").write_text(yaml.safe_dump(st.raw, sort_keys=False))
   ran, stopped = 0, None
   with _Stop(max_minutes) as stop:
     while train:
       todo = select(st, plan(st, out), shard, cells)
+      if claims is not None:
+        todo = claims.mine(todo)
       if not todo:
         break
       progress = False
@@ -260,14 +300,15 @@ def run_study(st: Study, out: pathlib.Path, *, cells: Optional[list[str]] = None
       if not progress:
         break
   left = len(select(st, plan(st, out), shard, cells))
-  report.write_report(st, out)
+  if claims is None:
+    report.write_report(st, out)
   return {"ran": ran, "left": left, "stopped": stopped}
 
 
 def study_main(config: str, out: str, overrides: Optional[list[str]] = None,
                cells: Optional[list[str]] = None, max_minutes: Optional[float] = None,
                shard: Optional[str] = None, report_only: bool = False,
-               list_only: bool = False) -> int:
+               list_only: bool = False, claim: Optional[str] = None) -> int:
   """``scaleopt study``: 0 when done or cut by --max-minutes, 2 on a config error, 143 when
   stopped by SIGTERM/SIGINT (everything checkpointed; rerun to continue). ``list_only``
   prints what is left for this shard, unit by unit, and trains nothing."""
@@ -284,12 +325,13 @@ def study_main(config: str, out: str, overrides: Optional[list[str]] = None,
             "appear once a condition's search is finished)")
       return EXIT_OK
     res = run_study(st, pathlib.Path(out), cells=cells, max_minutes=max_minutes, shard=shard,
-                    train=not report_only)
+                    train=not report_only, claim=None if report_only else claim)
   except (ConfigError, DataError) as e:
     print(f"config error: {e}", file=sys.stderr)
     return EXIT_CONFIG
   msg = f"study {st.name}: {res['ran']} cell(s) trained now, {res['left']} left"
   if res["stopped"]:
     msg += f" (stopped: {res['stopped']}; rerun the same command to continue)"
-  print(f"{msg}; report in {out}/summary.md")
+  print(f"{msg}; " + ("report: rerun with --report-only once every worker is done"
+                      if claim and not report_only else f"report in {out}/summary.md"))
   return EXIT_SIGNAL if res["stopped"] not in (None, "deadline") else EXIT_OK

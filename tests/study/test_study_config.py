@@ -113,6 +113,30 @@ def test_shards_split_conditions_and_cover_everything():
   assert {c.arm for c in only} == {"adamw_bc"} and {c.lr for c in only} == {1e-2}
 
 
+def test_claiming_workers_hold_whole_conditions_and_share_everything(tmp_path):
+  raw = _raw()
+  raw["grid"] = {"data.microbatches": [2, 4]}
+  st = SC.from_dict(raw, BC_TINY)
+  cells = st.search_cells()
+  a, b = runner._Claims(st, tmp_path, "launch1"), runner._Claims(st, tmp_path, "launch1")
+  pa, pb = a.mine(cells), b.mine(cells)  # both see every cell: each takes a different one
+  assert {c.condition for c in pa} != {c.condition for c in pb}
+  todo = [c for c in cells if c not in pa + pb]  # those two conditions finished
+  pa2, pb2 = a.mine(todo), b.mine(todo)
+  parts = [pa, pb, pa2, pb2]
+  assert all(len({c.condition for c in p}) == 1 for p in parts)  # whole conditions
+  assert sorted(c.id for p in parts for c in p) == sorted(c.id for c in cells)
+  assert a.mine([]) == []
+  # a held condition stays with its worker when its extra seeds appear later
+  cond = pa2[0].condition
+  extra = st.best_lr_cells(cond[0], cond[1], 1e-2)
+  assert a.mine(extra) == extra and b.mine(extra) == []
+  # a new launch (token) is not blocked by the claims of an interrupted one
+  assert runner._Claims(st, tmp_path, "launch2").mine(cells)
+  with pytest.raises(ConfigError, match="--claim"):
+    runner._Claims(st, tmp_path, "../x")
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "studies").glob("*.yaml")),
                          ids=lambda p: p.stem)
 def test_shipped_studies_validate(path):

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Runs studies on every GPU of this machine: one worker process per GPU, all sharing each
+# study's folder; workers claim whole conditions (`scaleopt study --claim`), so cheap and
+# expensive arms balance themselves, and a study's extra seeds run where its search ran.
+#
+#   scripts/study_workers.sh MINUTES ROOT STUDY[@KEY=VALUE...] [STUDY...]
+#
+# STUDY is a shipped study's name or a YAML file (each @KEY=VALUE one --set); its folder is
+# ROOT/<basename>. Workers go
+# through the studies in order and stop (checkpointing) MINUTES after the launch; rerun the same
+# command to continue. Logs: ROOT/worker<i>.log. The report is left to `scaleopt study
+# --report-only` (run it anywhere the folders are). SCALEOPT_WORKERS overrides the GPU count
+# (on CPU: the number of local workers, for a dry run).
+set -u
+[ $# -ge 3 ] || { echo "usage: $0 MINUTES ROOT STUDY[@KEY=VALUE...] ..." >&2; exit 2; }
+minutes=$1 root=$2
+shift 2
+py=${PYTHON:-python3}
+n=${SCALEOPT_WORKERS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
+[ "$n" -ge 1 ] || n=1
+token="launch-$(date +%s)-$$"
+deadline=$(( $(date +%s) + ${minutes%.*} * 60 ))
+mkdir -p "$root"
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$root/.jax_cache}
+echo "$n worker(s), token $token, until $(date -d @$deadline +%T)"
+
+worker() {
+  local i=$1 spec parts study name left args kv
+  for spec in "${@:2}"; do
+    IFS='@' read -ra parts <<< "$spec"
+    study=${parts[0]}
+    name=$(basename "$study" .yaml)
+    left=$(( deadline - $(date +%s) ))
+    [ $left -ge 60 ] || break
+    args=()
+    for kv in "${parts[@]:1}"; do args+=(--set "$kv"); done
+    echo "== worker $i: $name ($left s left) $(date +%T)"
+    CUDA_VISIBLE_DEVICES=$i $py -m scaleopt.cli study --config "$study" --out "$root/$name" \
+      --claim "$token" --max-minutes "$(awk "BEGIN{print $left / 60}")" "${args[@]}"
+  done
+}
+
+for i in $(seq 0 $((n - 1))); do
+  worker "$i" "$@" > "$root/worker$i.log" 2>&1 &
+done
+wait
+tail -n 3 "$root"/worker*.log
