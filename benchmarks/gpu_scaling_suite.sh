@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Scale-out measurements on one host with 4 GPUs, in one call of under 9 minutes:
+# Scale-out measurements on one host with 4 GPUs, in one call. Two plans:
 #
+# SUITE_PLAN=full (default, under 9 minutes):
 #   1 GPU (4 runs side by side, one per GPU): gpt2-small AdamW at 16 and 64 sequences per step
 #     (1 and 2 microbatches) and Shampoo (grafted, roots every 10) at 64
 #   4 GPUs: gpt2-small AdamW data4 / fsdp4 (64 sequences: 16 per GPU, the weak-scaling
@@ -10,43 +11,68 @@
 #   optimizer memory (bytes per parameter per device) on the CPU, in the background: state
 #     bytes on 1 and 4 devices from the shardings, then the one-device compiled table
 #
+# SUITE_PLAN=rerun (under 3.5 minutes, compiles included; every row on 4 GPUs):
+#   qwen2.5-0.5b fsdp4 at the largest per-GPU batch whose compiled step fits FIT_GIB (default
+#     70) GiB per GPU (mesh_throughput.py option fitG: compiled memory analysis at 8 and 16
+#     sequences per GPU, the line through them, one confirming compile; no trial runs), then
+#     at 8 sequences per GPU (the full plan's setting) as the check, in one process
+#   gpt2-small, 64 sequences per step, one process: AdamW fsdp4 (1 microbatch: the fastest
+#     AdamW), AdamW data4 with 4 microbatches (the BC rows' microbatching), adamw_bc (LOO,
+#     4 microbatches, each token twice), sophia_bc (A/B: 2 groups x 32 sequences x 2
+#     microbatches, the same 64 sequences in 4 microbatches), then if time is left Shampoo
+#     fsdp4 and AdamW data4 with 1 microbatch; then AdamW and adamw_bc (LOO) with 2
+#     microbatches
+#
 # Every number has its same-run baseline in the same table (benchmarks/mesh_throughput.py:
-# "vs one GPU", "vs 1 GPU/GPU-batch", "vs adamw step", "vs adamw token").
+# "vs one GPU", "vs 1 GPU/GPU-batch", "vs adamw step", "vs adamw token", "same micro").
 #
-#   OUT=/tmp/suite bash benchmarks/gpu_scaling_suite.sh
-#   SCALEOPT_SUITE_DRY=1 OUT=/tmp/suite bash benchmarks/gpu_scaling_suite.sh   # CPU plumbing check
+#   bash benchmarks/gpu_scaling_suite.sh OUT_DIR            (or OUT=OUT_DIR; default /tmp/gpu_suite)
+#   SUITE_PLAN=rerun bash benchmarks/gpu_scaling_suite.sh OUT_DIR
+#   SCALEOPT_SUITE_DRY=1 [SUITE_PLAN=rerun] bash benchmarks/gpu_scaling_suite.sh OUT_DIR
+#       (CPU plumbing check: every configuration tiny, on simulated devices)
 #
-# Writes 6 files into $OUT: suite.log (everything, with the combined table), env.txt,
-# mesh.jsonl and mesh.csv (every throughput row), memory_devices.csv, memory_1dev.csv.
-# Stops starting new work after SUITE_BUDGET seconds (default 470) and kills what still runs
-# at SUITE_DEADLINE (default 525).
+# Writes into OUT_DIR: suite.log (everything, with the combined table), env.txt, mesh.jsonl
+# and mesh.csv (every throughput row); the full plan also memory_devices.csv, memory_1dev.csv.
+# Stops starting new work after SUITE_BUDGET seconds (full 470, rerun 180; dry 3000) and kills
+# what still runs at SUITE_DEADLINE (full 525, rerun 205; dry 3600).
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_suite}
+OUT=${1:-${OUT:-/tmp/gpu_suite}}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-$(command -v python3 || command -v python)}
-BUDGET=${SUITE_BUDGET:-470}
-DEADLINE=${SUITE_DEADLINE:-525}
+PLAN=${SUITE_PLAN:-full}
+case "$PLAN" in
+  full) BUDGET=${SUITE_BUDGET:-470}; DEADLINE=${SUITE_DEADLINE:-525} ;;
+  rerun) BUDGET=${SUITE_BUDGET:-180}; DEADLINE=${SUITE_DEADLINE:-205} ;;
+  *) echo "SUITE_PLAN=$PLAN: expected full or rerun" >&2; exit 2 ;;
+esac
 DRY=${SCALEOPT_SUITE_DRY:-0}
+if [ "$DRY" = 1 ]; then  # slow CPU compiles: every configuration runs, whatever it takes
+  BUDGET=${SUITE_BUDGET:-3000}; DEADLINE=${SUITE_DEADLINE:-3600}
+fi
 LOG="$OUT/suite.log"
 : > "$LOG"
 log() { echo "[suite $(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$LOG"; }
 
 if [ "$DRY" = 1 ]; then
-  MT=(--quick --steps 2)
+  MT=(--quick --steps 2 --fit-probe 8,16)
   MEM=(--quick)
   STEPS=2
+  FIT=0.04  # GiB: the tiny model's compiled step holds about 1 MiB per sequence per device
 else
   MT=(--steps 21 --unroll 12)
   MEM=()
   STEPS=21
+  FIT=${FIT_GIB:-70}
 fi
 
 {
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | head -6
   $PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)" 2>&1
-  git rev-parse HEAD 2>/dev/null; echo "dry=$DRY steps=$STEPS budget=$BUDGET deadline=$DEADLINE"
+  git rev-parse HEAD 2>/dev/null
+  echo "plan=$PLAN dry=$DRY steps=$STEPS budget=$BUDGET deadline=$DEADLINE fit_gib=$FIT"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt" >> "$LOG"
 
@@ -56,42 +82,57 @@ left() { echo $(( BUDGET - SECONDS )); }
 mt() {
   local name=$1 timeout=$2 configs=$3; shift 3
   local b; b=$(left)
-  if [ "$b" -le 20 ]; then log "$name: skipped (time budget)"; return; fi
+  if [ "$b" -le 15 ]; then log "$name: skipped (time budget)"; return; fi
   log "$name: $configs"
+  # the script itself kills a configuration 6 s before the deadline and keeps finished rows
   timeout --kill-after=5 $(( DEADLINE - SECONDS )) \
     $PY benchmarks/mesh_throughput.py "${MT[@]}" --configs "$configs" --timeout "$timeout" \
-    --budget "$b" --jsonl "$OUT/mesh.jsonl" "$@" >> "$LOG" 2>&1
+    --budget "$b" --deadline $(( DEADLINE - SECONDS - 6 )) --jsonl "$OUT/mesh.jsonl" "$@" \
+    >> "$LOG" 2>&1
   log "$name: exit $?"
 }
 
-# optimizer memory on the CPU in the background (no GPU time, no interference with timings):
-# state bytes per device on 1 and 4 simulated devices (no compile, seconds), then the
-# one-device compiled table until the deadline
-(
-  XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
-    timeout 120 $PY benchmarks/optimizer_memory.py "${MEM[@]}" --devices 4 --state-only \
-    --csv "$OUT/memory_devices.csv" > "$OUT/.mem4.log" 2>&1
-  JAX_PLATFORMS=cpu timeout $(( DEADLINE - 30 )) $PY benchmarks/optimizer_memory.py "${MEM[@]}" \
-    --csv "$OUT/memory_1dev.csv" > "$OUT/.mem1.log" 2>&1
-) &
-MEMPID=$!
-
 G=gpt2-small
-mt mesh_1gpu 170 "data1+b16+m1,data1+b64+m1,data1+b64+m2,data1+b64+m2+optshampoo" \
-  --parallel-single 4
-mt mesh_4gpu 110 "data4+b64+m1,fsdp4+b64+m1,data4+b64+m1+optshampoo"
-mt mesh_qwen 170 "fsdp4+b32+m1+pqwen2.5-0.5b"
-mt mesh_bc 110 "data4+b64+m4+optadamw_bc+ecrossfit=loo,data4+b64+m4+optsophia_bc"
-mt mesh_extra 100 "fsdp4+b64+m1+optshampoo,data2+b64+m1,data2+b64+m1+optshampoo"
+MEMPID=
+if [ "$PLAN" = full ]; then
+  # optimizer memory on the CPU in the background (no GPU time, no interference with timings):
+  # state bytes per device on 1 and 4 simulated devices (no compile, seconds), then the
+  # one-device compiled table until the deadline
+  (
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
+      timeout 120 $PY benchmarks/optimizer_memory.py "${MEM[@]}" --devices 4 --state-only \
+      --csv "$OUT/memory_devices.csv" > "$OUT/.mem4.log" 2>&1
+    JAX_PLATFORMS=cpu timeout $(( DEADLINE - 30 )) $PY benchmarks/optimizer_memory.py \
+      "${MEM[@]}" --csv "$OUT/memory_1dev.csv" > "$OUT/.mem1.log" 2>&1
+  ) &
+  MEMPID=$!
+
+  mt mesh_1gpu 170 "data1+b16+m1,data1+b64+m1,data1+b64+m2,data1+b64+m2+optshampoo" \
+    --parallel-single 4
+  mt mesh_4gpu 110 "data4+b64+m1,fsdp4+b64+m1,data4+b64+m1+optshampoo"
+  mt mesh_qwen 170 "fsdp4+b32+m1+pqwen2.5-0.5b"
+  mt mesh_bc 110 "data4+b64+m4+optadamw_bc+ecrossfit=loo,data4+b32+m2+optsophia_bc"
+  mt mesh_extra 100 "fsdp4+b64+m1+optshampoo,data2+b64+m1,data2+b64+m1+optshampoo"
+else
+  Q=pqwen2.5-0.5b
+  # the fit row first: it compiles at 8 and 16 per GPU (8 is cached for the check row) and
+  # trains while the device memory is unfragmented
+  mt qwen_fit 150 "fsdp4+m1+$Q+fit$FIT,fsdp4+b32+m1+$Q" --same-process
+  mt bc_cost 60 "fsdp4+b64+m1,data4+b64+m4,data4+b64+m4+optadamw_bc+ecrossfit=loo,\
+data4+b32+m2+optsophia_bc,fsdp4+b64+m1+optshampoo,data4+b64+m1" --same-process
+  mt bc_m2 60 "data4+b64+m2,data4+b64+m2+optadamw_bc+ecrossfit=loo" --same-process
+fi
 
 log "all throughput rows in one table (ratios across the runs above, same machine)"
 $PY benchmarks/mesh_throughput.py --table-from "$OUT/mesh.jsonl" --csv "$OUT/mesh.csv" \
   >> "$LOG" 2>&1
 
-log "waiting for the memory table"
-while kill -0 $MEMPID 2>/dev/null && [ $SECONDS -lt $DEADLINE ]; do sleep 2; done
-kill $MEMPID 2>/dev/null
-for f in .mem4.log .mem1.log; do
-  [ -f "$OUT/$f" ] && { echo "---- $f"; cat "$OUT/$f"; } >> "$LOG" && rm -f "$OUT/$f"
-done
+if [ -n "$MEMPID" ]; then
+  log "waiting for the memory table"
+  while kill -0 "$MEMPID" 2>/dev/null && [ $SECONDS -lt $DEADLINE ]; do sleep 2; done
+  kill "$MEMPID" 2>/dev/null
+  for f in .mem4.log .mem1.log; do
+    [ -f "$OUT/$f" ] && { echo "---- $f"; cat "$OUT/$f"; } >> "$LOG" && rm -f "$OUT/$f"
+  done
+fi
 log "done; files: $(ls "$OUT" | tr '\n' ' ')"
