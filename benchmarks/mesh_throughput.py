@@ -81,8 +81,7 @@ def parse(name: str, defaults: dict) -> dict:
   head, *opts = name.split("+")
   m = re.fullmatch(r"(data|fsdp|tensor)(\d+)", head)
   if not m:
-    raise SystemExit(f"bad configuration {name!r}: expected AXISN[+option...], AXIS in "
-                     "data/fsdp/tensor")
+    _bad(f"bad configuration {name!r}: expected AXISN[+option...], AXIS in data/fsdp/tensor")
   c = dict(defaults, name=name, axis=m.group(1), n=int(m.group(2)), legacy=False, fused=True)
   for o in opts:
     if o == "legacy":
@@ -113,8 +112,14 @@ def parse(name: str, defaults: dict) -> dict:
     elif o.startswith("p"):
       c["preset"] = o[1:]
     else:
-      raise SystemExit(f"bad option {o!r} in configuration {name!r}")
+      _bad(f"bad option {o!r} in configuration {name!r}")
   return c
+
+
+def _bad(msg: str):
+  """A bad command line: one line on stderr, exit status 2."""
+  print(msg, file=sys.stderr)
+  raise SystemExit(2)
 
 
 def _value(v: str):
@@ -465,7 +470,8 @@ def main(argv=None) -> int:
                   help="run up to K consecutive one-GPU configurations at a time, one per GPU")
   ap.add_argument("--single-gpu", default="0", help="GPU for unpaired one-GPU configurations")
   ap.add_argument("--same-process", action="store_true",
-                  help="run all configurations one after another in one process")
+                  help="run all configurations one after another in one process (it sees "
+                  "as many GPUs as the largest configuration: give configurations of one size)")
   ap.add_argument("--fit-probe", default=None,
                   help="per-GPU microbatch sizes the fitG option compiles first (default 8,16; "
                   "--quick: 1,2)")
