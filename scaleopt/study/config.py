@@ -8,7 +8,8 @@ A study file (``configs/studies/<name>.yaml``)::
   arms:                           # named overrides: dotted training keys -> values
     adamw: {}
     adamw_bc: {optimizer.name: adamw_bc, optimizer.extra: {mode: full, crossfit: loo},
-               learning_rates: [1.0e-3, 3.0e-3]}     # optional per-arm learning rates
+               learning_rates: [1.0e-3, 3.0e-3],     # optional per-arm learning rates
+               baseline: adamw}                      # optional: the arm's own baseline
   baseline: adamw                 # the arm every other arm is compared with (paired over seeds)
   compute_baselines: []           # arms used for the equal-gradient-pass comparison
   learning_rates: [1.0e-3, 3.0e-3]
@@ -176,7 +177,7 @@ def _arm(name: str, spec: Any, lrs: Optional[list]) -> dict:
     raise ConfigError(f"study key 'arms.{name}' must be a mapping of dotted training keys")
   sets = {}
   for k, v in spec.items():
-    if k == "learning_rates":
+    if k in ("learning_rates", "baseline"):
       continue
     if "." not in k or k.split(".")[0] not in TRAIN_SECTIONS:
       raise ConfigError(f"study key 'arms.{name}.{k}' is not a dotted training key (e.g. "
@@ -188,7 +189,7 @@ def _arm(name: str, spec: Any, lrs: Optional[list]) -> dict:
   arm_lrs = _list(spec, "learning_rates", float) if "learning_rates" in spec else lrs
   if arm_lrs is None:
     raise ConfigError(f"study key 'learning_rates' is missing (and arm '{name}' has none)")
-  return {"set": sets, "learning_rates": arm_lrs}
+  return {"set": sets, "learning_rates": arm_lrs, "baseline": spec.get("baseline")}
 
 
 def from_dict(raw: dict, path: Optional[pathlib.Path] = None) -> Study:
@@ -219,6 +220,10 @@ def from_dict(raw: dict, path: Optional[pathlib.Path] = None) -> Study:
   baseline = raw.get("baseline", next(iter(arms)))
   if baseline not in arms:
     raise ConfigError(f"study key 'baseline'={baseline!r} is not an arm; arms: {list(arms)}")
+  for n, a in arms.items():
+    if a["baseline"] is not None and (a["baseline"] not in arms or a["baseline"] == n):
+      raise ConfigError(f"study key 'arms.{n}.baseline'={a['baseline']!r} must name another "
+                        f"arm of {list(arms)}")
   cb = raw.get("compute_baselines") or []
   if not isinstance(cb, list) or any(c not in arms for c in cb):
     raise ConfigError(f"study key 'compute_baselines'={cb!r} must list arms of {list(arms)}")

@@ -119,6 +119,14 @@ def lr_table(st, rows: list[dict], cond: tuple) -> dict:
   return out
 
 
+def at_edge(st, c: "Condition") -> bool:
+  """The best lr is the smallest or largest of the arm's grid (with 3 or more lrs): the grid
+  may not bracket the optimum; extend it."""
+  lrs = st.lrs(c.arm)
+  return c.best_lr is not None and len(lrs) >= 3 and (
+      math.isclose(c.best_lr, min(lrs)) or math.isclose(c.best_lr, max(lrs)))
+
+
 def best_lr(st, rows: list[dict], cond: tuple) -> Optional[float]:
   """The lr with the lowest mean val loss once every search cell of ``cond`` is finished (an
   lr where any seed diverged counts as infinitely bad); None before."""
@@ -171,6 +179,29 @@ def _grid_str(grid: tuple) -> str:
   return ", ".join(f"{k}={v}" for k, v in grid) or "-"
 
 
+def _own_baselines(st, conds: list[Condition], has_grid: bool) -> list[str]:
+  """Rows for arms that name their own baseline (``arms.X.baseline``): X minus that arm,
+  paired by seed, at each one's best lr."""
+  by = {(c.arm, c.grid): c for c in conds}
+  out = []
+  for c in conds:
+    ob = by.get((st.arms[c.arm].get("baseline"), c.grid))
+    if ob is None:
+      continue
+    if c.best_lr is None or ob.best_lr is None:
+      d, ver = "search unfinished", "-"
+    else:
+      iv = paired_interval(c.test, ob.test)
+      d, ver = iv.fmt(signed=True), verdict(iv)
+    out.append("| " + " | ".join([c.arm] + ([_grid_str(c.grid)] if has_grid else [])
+                                 + [ob.arm, d, ver]) + " |")
+  if not out:
+    return []
+  head = ["arm"] + (["grid"] if has_grid else []) + ["own baseline", "diff [95% CI]", "verdict"]
+  return ["", "Against each arm's own baseline (its standard form, each at its best lr; paired "
+          "by seed):", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"] + out
+
+
 def summary_md(st, rows: list[dict], conds: list[Condition], n_planned: int) -> str:
   cards = sorted({r.get("card") for r in rows if r.get("card")})
   base = {c.grid: c for c in conds if c.arm == st.baseline}
@@ -209,10 +240,15 @@ def summary_md(st, rows: list[dict], conds: list[Condition], n_planned: int) -> 
       ratio = f"{c.passes / b.passes:g}x"
     n_bad = sum(not _finite(v) for v in c.test.values())
     seeds = f"{iv.n}" + (f" (+{n_bad} diverged)" if n_bad else "")
+    lr = "search unfinished" if c.best_lr is None else (
+        f"{c.best_lr:g}" + (" (grid edge)" if at_edge(st, c) else ""))
     cells = [c.arm] + ([_grid_str(c.grid)] if has_grid else []) + [
-        f"{c.best_lr:g}" if c.best_lr is not None else "search unfinished", seeds, iv.fmt(),
-        ratio, diff, ver, eq]
+        lr, seeds, iv.fmt(), ratio, diff, ver, eq]
     lines.append("| " + " | ".join(cells) + " |")
+  lines += _own_baselines(st, conds, has_grid)
+  if any(at_edge(st, c) for c in conds):
+    lines += ["", "(grid edge): the best lr is the smallest or largest tried, so the grid may not "
+              "bracket that arm's optimum; its numbers are an upper bound on its loss."]
   lines += ["", "## Learning-rate search", "",
             "Mean `val` loss over the search seeds (inf: a seed diverged; - : unfinished).", ""]
   all_lrs = sorted({lr for a in st.arms for lr in st.lrs(a)})

@@ -9,12 +9,14 @@ Folder layout (``--out DIR``)::
       result.json                written last: the cell is finished (its checkpoints are then
                                  deleted unless engine.keep_checkpoints)
   DIR/results.csv DIR/summary.md DIR/curves.png DIR/lr.png
+  DIR/at_once/<group>            cells of a compile group that fit at once (after an OOM)
 
 A cell with ``result.json`` is skipped; one with checkpoints resumes from the latest. Cells of
 one condition (arm x grid point) always go to the same ``--shard i/n`` (condition k -> shard
 k mod n), so the extra seeds at the best learning rate are known where the search ran; folders
 from different machines merge by copying ``cells/`` trees, and a rerun (or ``--report-only``)
-rebuilds the report from every finished cell present.
+rebuilds the report from every finished cell present. A vmapped unit that runs out of device
+memory is split in halves (and the group's limit kept in ``DIR/at_once``), down to one cell.
 
 Several workers on one machine (one per GPU) share one ``--out`` with ``--claim TOKEN``: each
 worker takes whole conditions, the next unfinished one first, by creating
@@ -103,6 +105,13 @@ def conditions(st: Study) -> list[tuple]:
   return list(dict.fromkeys(c.condition for c in st.search_cells()))
 
 
+def fits(out: pathlib.Path, group: str) -> int:
+  """How many cells of compile group ``group`` fit on the device at once, as learned from an
+  out-of-memory error (``DIR/at_once/<group>``; unbounded when absent)."""
+  f = out / "at_once" / group
+  return int(f.read_text()) if f.is_file() else 1 << 30
+
+
 def units(st: Study, cells: list[Cell], out: pathlib.Path) -> list[list[Cell]]:
   """Cells grouped for execution: with the vmap engine, cells of one compile group (equal
   config up to lr and seed) and equal checkpoint step, at most ``cells_at_once`` per unit
@@ -118,7 +127,7 @@ def units(st: Study, cells: list[Cell], out: pathlib.Path) -> list[list[Cell]]:
   out_units = []
   for (gk, _), cs in groups.items():
     cfg = st.cell_config(cs[0])
-    size = (st.cells_at_once if cfg.optimizer["name"] in engines.VMAP_SAFE
+    size = (min(st.cells_at_once, fits(out, gk)) if cfg.optimizer["name"] in engines.VMAP_SAFE
             and engines.vmap_ok(cfg) else 1)
     out_units += [cs[i:i + size] for i in range(0, len(cs), size)]
   return out_units
@@ -193,7 +202,20 @@ def run_unit(st: Study, cells: list[Cell], out: pathlib.Path, stop: _Stop) -> li
   step = latest_checkpoint(dirs[0])
   t0 = time.time()
   if st.engine == "vmap" and engines.vmap_ok(cfgs[0]):
-    res = engines.run_vmapped(cfgs, dirs, step, stop, key=study_config.group_key(cfgs[0]))
+    res = None
+    try:
+      res = engines.run_vmapped(cfgs, dirs, step, stop, key=study_config.group_key(cfgs[0]))
+    except Exception as e:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
+      if len(cells) == 1 or "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+    if res is None:  # outside the except block: the failed unit's arrays are freed by now
+      half = (len(cells) + 1) // 2
+      (out / "at_once").mkdir(exist_ok=True)
+      (out / "at_once" / study_config.group_key(cfgs[0])).write_text(f"{half}\n")
+      print(f"[study {st.name}] {len(cells)} cells at once do not fit in device memory; "
+            f"running {half} and {len(cells) - half}", flush=True)
+      return (run_unit(st, cells[:half], out, stop)
+              + run_unit(st, cells[half:], out, stop))
   else:
     res = [{"status": "interrupted"} if stop() else
            engines.run_loop(cfg, d, latest_checkpoint(d) is not None)

@@ -19,6 +19,7 @@ def _study():
   raw = _raw()
   raw["arms"]["adamw_2x"] = {"optimizer.name": "adamw", "run.steps": 60}
   raw["compute_baselines"] = ["adamw_2x"]
+  raw["arms"]["adamw_bc"]["baseline"] = "adamw_2x"  # its own baseline, beside the study's
   raw["seeds"] = [0, 1]
   raw["best_lr_seeds"] = [0, 1, 2]
   return SC.from_dict(raw, BC_TINY)
@@ -70,6 +71,10 @@ def test_selection_on_val_paired_differences_and_stage_two(tmp_path):
   e = np.array([truth[("adamw_bc", 1e-2, s)] - truth[("adamw_2x", 1e-2, s)] for s in range(3)])
   assert f"vs adamw_2x: {e.mean():+.4f}" in row and "higher" in row.split("|")[-2]
   assert "| 2x |" in row
+  own = next(l for l in summary.splitlines() if l.startswith("| adamw_bc | adamw_2x |"))
+  half_e = sps.t.ppf(0.975, 2) * e.std(ddof=1) / math.sqrt(3)
+  assert f"{e.mean():+.4f} [{e.mean() - half_e:+.4f}, {e.mean() + half_e:+.4f}] | higher" in own
+  assert "(grid edge)" not in summary  # two lrs per arm: no edge to speak of
   with (tmp_path / "results.csv").open() as fh:
     rows = list(csv.DictReader(fh))
   assert len(rows) == len(st.search_cells()) + 3
@@ -98,3 +103,27 @@ def test_grid_study_recovers_planted_effects(tmp_path):
   for pol in ("iwd", "matrices-only"):
     assert rows[("unified", f"model.wd_policy={pol}")][8].strip() == "lower"
     assert rows[("none", f"model.wd_policy={pol}")][8].strip() == "higher"
+
+
+def test_best_lr_at_the_grid_edge_is_flagged(tmp_path):
+  raw = _raw()
+  raw["learning_rates"] = [1e-3, 3e-3, 1e-2]
+  raw["arms"]["adamw_bc"]["learning_rates"] = [1e-3, 3e-3, 1e-2]
+  raw["seeds"] = [0, 1]
+  st = SC.from_dict(raw, BC_TINY)
+  best = {"adamw": 1e-2, "adamw_bc": 3e-3}  # adamw's optimum lies beyond its largest lr
+  for c in st.search_cells():
+    v = 3.0 + abs(math.log(c.lr / best[c.arm]))
+    _write(tmp_path, st, c, v, v, 1.0)
+  report.write_report(st, tmp_path, plots=False)
+  lines = (tmp_path / "summary.md").read_text().splitlines()
+  assert next(l for l in lines if l.startswith("| adamw |")).split("|")[2].strip() == \
+      "0.01 (grid edge)"
+  assert next(l for l in lines if l.startswith("| adamw_bc |")).split("|")[2].strip() == "0.003"
+
+
+def test_arm_baseline_must_name_another_arm():
+  raw = _raw()
+  raw["arms"]["adamw_bc"]["baseline"] = "sgd"
+  with pytest.raises(SC.ConfigError, match="arms.adamw_bc.baseline"):
+    SC.from_dict(raw, BC_TINY)

@@ -120,3 +120,37 @@ def test_deadline_signals_only_the_training_loops_handler():
     finally:
       signal.signal(signal.SIGTERM, old)
   assert got == [signal.SIGTERM] and st.reason() == "deadline"
+
+
+def test_units_that_run_out_of_memory_are_split(tmp_path, monkeypatch, capsys):
+  from scaleopt.study import engines
+  real, sizes = engines.run_vmapped, []
+
+  def small_device(cfgs, *a, **k):  # a device where only 2 cells fit at once
+    sizes.append(len(cfgs))
+    if len(cfgs) > 2:
+      raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9 GiB")
+    return real(cfgs, *a, **k)
+
+  monkeypatch.setattr(engines, "run_vmapped", small_device)
+  out = tmp_path / "study"
+  args = ["study", "--config", BC_TINY, "--out", str(out), "--cells", "adamw/*",
+          "--set", "run.steps=3", "--set", "run.eval_every=3",
+          "--set", "optimizer.schedule.warmup_steps=1", "--set", "engine.cells_at_once=4",
+          "--set", "learning_rates=[0.01]"]
+  assert cli.main(args + ["--set", "seeds=[0, 1, 2, 3]"]) == 0
+  assert "4 cells at once do not fit in device memory; running 2 and 2" in capsys.readouterr().out
+  rows = _rows(out)
+  assert len(rows) == 4 and all(r["status"] == "ok" and r["cells_at_once"] == "2"
+                                for r in rows.values())
+  assert sizes == [4, 2, 2]
+  # the group's limit is kept: four more seeds later form units of 2 without another failure
+  assert cli.main(args + ["--set", "seeds=[0, 1, 2, 3, 4, 5, 6, 7]"]) == 0
+  assert sizes == [4, 2, 2, 2, 2] and len(_rows(out)) == 8
+
+  def broken(cfgs, *a, **k):  # any other error is not swallowed
+    raise RuntimeError("INTERNAL: something else")
+
+  monkeypatch.setattr(engines, "run_vmapped", broken)
+  with pytest.raises(RuntimeError, match="INTERNAL"):
+    cli.main(args[:3] + ["--out", str(tmp_path / "other")] + args[5:])
