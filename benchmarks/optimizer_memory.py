@@ -6,7 +6,8 @@
 
 ``--devices N`` (in a process that sees N devices; one-device rows need a one-device process
 and are skipped there) measures rows on an N-device mesh (``fsdpN``, ``dataN``: AdamW and Shampoo with its
-block factors split over the devices); every figure is then per device, divided by the full
+block factors split over the devices; ``dataN+shard``: the same with ``mesh.shard_optimizer``,
+the state split over data too); every figure is then per device, divided by the full
 parameter count N_params (bytes per parameter per device). On CPU, simulate the devices with
 XLA_FLAGS=--xla_force_host_platform_device_count=N. ``--state-only`` skips compiling: the
 state column is exact from the state's shardings (shard shapes), temp and peak are left out.
@@ -62,12 +63,15 @@ OPTIMIZERS = [
      {"name": "shampoo", "extra": {"block_size": 1024, **BF16}}),
     ("muon", {"name": "muon"}),
 ]
-# (name, optimizer, mesh axis) rows added by --devices N
+SHAMPOO = {"name": "shampoo", "extra": {"block_size": 1024}}
+# (name, optimizer, mesh axis, mesh.shard_optimizer) rows added by --devices N
 MESH_ROWS = [
-    ("adamw", {"name": "adamw"}, "fsdp"),
-    ("shampoo, block 1024", {"name": "shampoo", "extra": {"block_size": 1024}}, "fsdp"),
-    ("adamw", {"name": "adamw"}, "data"),
-    ("shampoo, block 1024", {"name": "shampoo", "extra": {"block_size": 1024}}, "data"),
+    ("adamw", {"name": "adamw"}, "fsdp", False),
+    ("shampoo, block 1024", SHAMPOO, "fsdp", False),
+    ("adamw", {"name": "adamw"}, "data", False),
+    ("shampoo, block 1024", SHAMPOO, "data", False),
+    ("adamw", {"name": "adamw"}, "data", True),
+    ("shampoo, block 1024", SHAMPOO, "data", True),
 ]
 
 
@@ -82,19 +86,21 @@ def _device_bytes(tree, shardings) -> int:
 
 
 def measure(preset: str, opt: dict, seq: int, dtype: str, mesh: dict = None,
-            state_only: bool = False) -> dict:
+            state_only: bool = False, shard_optimizer: bool = False) -> dict:
   mesh = mesh or {"data": 1}
   n_dev = int(np.prod(list(mesh.values())))
   raw = {"run": {"steps": 1, "progress": False, "plot": False, "tensorboard": False},
          "model": {"preset": preset, "dtype": dtype, "max_seq_len": seq},
          "data": {"source": "embedded", "seq_len": seq, "batch_size": 4 * n_dev,
                   "microbatches": 4},
-         "optimizer": opt, "mesh": dict({"data": 1, "fsdp": 1, "tensor": 1}, **mesh)}
+         "optimizer": opt, "mesh": dict({"data": 1, "fsdp": 1, "tensor": 1}, **mesh,
+                                        shard_optimizer=shard_optimizer)}
   s = loop.setup(C.from_dict(raw))
   fns = loop.compile_fns(s)
   n = models.count_params(s.model.cfg)
   state = _device_bytes(fns.state_shape.opt_state, fns.state_sh.opt_state) / n
-  base = dict(params=n, devices=n_dev, mesh="x".join(f"{k}{v}" for k, v in mesh.items()),
+  label = "x".join(f"{k}{v}" for k, v in mesh.items()) + ("+shard" if shard_optimizer else "")
+  base = dict(params=n, devices=n_dev, mesh=label,
               state=state, layout=s.spec.layout)
   if state_only:
     return base
@@ -134,13 +140,13 @@ def main(argv=None) -> int:
     return 2
   todo = [OPTIMIZERS[int(i)] for i in args.only.split(",")] if args.only else OPTIMIZERS
   # one-device rows need a one-device process (the mesh takes every visible device)
-  todo = [(name, opt, None) for name, opt in todo] if jax.device_count() == 1 else []
+  todo = [(name, opt, None, False) for name, opt in todo] if jax.device_count() == 1 else []
   if args.devices > 1:
-    todo += [(name, opt, {axis: args.devices}) for name, opt, axis in MESH_ROWS]
+    todo += [(name, opt, {axis: args.devices}, shard) for name, opt, axis, shard in MESH_ROWS]
   rows = []
-  for name, opt, mesh in todo:
+  for name, opt, mesh, shard in todo:
     try:
-      r = dict(optimizer=name, **measure(preset, opt, seq, dtype, mesh, args.state_only))
+      r = dict(optimizer=name, **measure(preset, opt, seq, dtype, mesh, args.state_only, shard))
     except Exception as e:  # pylint: disable=broad-except
       r = dict(optimizer=name, mesh=str(mesh), error=f"{type(e).__name__}: {str(e)[:200]}")
     rows.append(r)

@@ -71,6 +71,7 @@ class MeshConfig:
   fsdp: int = spec(1, gt=0)
   tensor: int = spec(1, gt=0)
   distributed: Literal["auto", "on", "off"] = "auto"  # jax.distributed.initialize
+  shard_optimizer: bool = False  # ZeRO-1: optimizer state split over data too
 
 
 @dataclasses.dataclass
@@ -214,7 +215,8 @@ RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_batches",
              "run.checkpoint_every", "run.keep_checkpoints", "run.async_checkpoint",
              "run.max_consecutive_skips", "run.progress", "run.tensorboard", "run.plot",
              "run.peak_flops", "run.wandb", "run.profile", "run.telemetry_every",
-             "optimizer.schedule.total_steps", "model.init_from", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.distributed")
+             "optimizer.schedule.total_steps", "model.init_from", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.distributed",
+             "mesh.shard_optimizer")
 HISTORY = "config_history.jsonl"
 
 

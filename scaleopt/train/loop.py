@@ -208,7 +208,9 @@ def compile_fns(s: Setup) -> Compiled:
   state_shape = jax.eval_shape(init_fn)
   param_sh = mesh_lib.param_shardings(mesh, state_shape.params,
                                       models.partition_rules(s.model.cfg))
-  state_sh = mesh_lib.state_shardings(mesh, state_shape, state_shape.params, param_sh)
+  shard_opt = s.cfg.mesh.shard_optimizer and mesh.shape["data"] > 1
+  opt_sh = mesh_lib.optimizer_shardings(mesh, state_shape.params, param_sh, shard_opt)
+  state_sh = mesh_lib.state_shardings(mesh, state_shape, state_shape.params, opt_sh)
   state_sh = state_sh._replace(params=param_sh)
   batch_sh, eval_sh = mesh_lib.batch_sharding(mesh), mesh_lib.eval_sharding(mesh)
   return Compiled(
@@ -216,7 +218,8 @@ def compile_fns(s: Setup) -> Compiled:
       init_with=jax.jit(lambda p: init_fn()._replace(params=p, opt_state=s.tx.init(p)),
                         in_shardings=(param_sh,), out_shardings=state_sh),
       train_step=jax.jit(step_lib.make_train_step(s.model, s.tx, s.spec, s.schedule,
-                                                  s.cfg.run.telemetry_every),
+                                                  s.cfg.run.telemetry_every,
+                                                  update_sh=opt_sh if shard_opt else None),
                          in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                          donate_argnums=0),
       eval_step=jax.jit(step_lib.make_eval_step(s.model), in_shardings=(param_sh, eval_sh)),

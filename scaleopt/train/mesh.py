@@ -6,7 +6,8 @@ mapped by ``scaleopt.models.sharding.mesh_spec``: logical ``fsdp`` -> mesh axis 
 divide stays replicated. Inside the step the model pins activations to the batch axes and
 gathers kernels over ``fsdp`` for use (``scaleopt.models.sharding``; ``bridge.Model.mesh``). Optimizer-state leaves take
 the sharding of the parameter whose path ends their own path (optax states nest the parameter
-tree) when the shapes agree, else they are replicated. Batches ``[m, b, T+1]`` are split on
+tree) when the shapes agree, else they are replicated; with ``mesh.shard_optimizer`` that
+parameter sharding is further split over ``data`` (``optimizer_shardings``, ZeRO-1). Batches ``[m, b, T+1]`` are split on
 the sequence axis b over ``data`` x ``fsdp`` (FSDP is data parallel for activations).
 """
 
@@ -182,6 +183,35 @@ def param_shardings(mesh: Mesh, params_shape: Any, rules: Callable) -> Any:
   return jax.tree_util.tree_map_with_path(
       lambda p, x: NamedSharding(mesh, mesh_spec(mesh, rules(p, x.shape), x.shape)),
       params_shape)
+
+
+def _with_data(mesh: Mesh, sh: NamedSharding, shape: tuple) -> NamedSharding:
+  """``sh`` further split over ``data``: on the first dimension no axis splits that ``data``
+  divides, else the first split one whose shard ``data`` divides; unchanged when none does
+  (or ``sh`` already uses ``data``)."""
+  n = int(mesh.shape["data"])
+  spec = list(sh.spec) + [None] * (len(shape) - len(sh.spec))
+  used = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+  if n == 1 or any("data" in u for u in used):
+    return sh
+  for i in sorted(range(len(shape)), key=lambda i: bool(used[i])):  # unsplit dimensions first
+    if shape[i] % (n * int(np.prod([mesh.shape[a] for a in used[i]]))) == 0:
+      spec[i] = (*used[i], "data") if used[i] else "data"
+      return NamedSharding(mesh, P(*spec))
+  return sh
+
+
+def optimizer_shardings(mesh: Mesh, params_shape: Any, param_sh: Any, shard: bool) -> Any:
+  """Per parameter, the layout of its optimizer-state leaves and of its update in the step.
+
+  ``shard=False``: the parameter's own sharding (under pure data parallelism every device
+  holds all of the state). ``shard=True`` (``mesh.shard_optimizer``, ZeRO-1): additionally split
+  over ``data`` (``_with_data``), so each of the n data-parallel devices keeps 1/n of the
+  state, updates only its slice of the parameters, and the step all-gathers the new
+  parameters back to ``param_sh``."""
+  if not shard:
+    return param_sh
+  return jax.tree.map(lambda x, sh: _with_data(mesh, sh, tuple(x.shape)), params_shape, param_sh)
 
 
 def state_shardings(mesh: Mesh, tree_shape: Any, params_shape: Any, param_sh: Any) -> Any:

@@ -56,12 +56,18 @@ def _lr_step(state: TrainState) -> jax.Array:
 
 
 def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
-                    schedule: Callable, telemetry_every: int = 0) -> Callable:
+                    schedule: Callable, telemetry_every: int = 0,
+                    update_sh: Any = None) -> Callable:
   """``step(state, batch) -> (state, metrics)``; batch = {"tokens"[, "b_tokens"]}.
 
   ``spec`` (the data layout) is not needed here: ``collect`` reads it from the state.
-  ``telemetry_every``: per-group telemetry every N steps (``scaleopt.train.telemetry``)."""
+  ``telemetry_every``: per-group telemetry every N steps (``scaleopt.train.telemetry``).
+  ``update_sh``: shardings per parameter (``mesh.optimizer_shardings``) that the gradient,
+  the parameters the optimizer reads and the update are constrained to, so the update runs on
+  the slices of the (ZeRO-1) sharded optimizer state; None: left to the in/out shardings."""
   del spec
+  on_slices = ((lambda t: t) if update_sh is None
+               else lambda t: jax.lax.with_sharding_constraint(t, update_sh))
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng, key = jax.random.split(state.rng)
@@ -69,9 +75,11 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
       stats = optim.collect(model.loss_fn, state.params, batch["tokens"], state.opt_state,
                             key=key, logits_fn=model.logits_fn,
                             b_microbatches=batch.get("b_tokens"))
-      updates, opt_state = tx.update(stats.numerator, state.opt_state, state.params,
+      params = on_slices(state.params)
+      updates, opt_state = tx.update(on_slices(stats.numerator), state.opt_state, params,
                                      bc_stats=stats)
-    params = optax.apply_updates(state.params, updates)
+    updates = on_slices(updates)
+    params = optax.apply_updates(params, updates)
     g_norm = optax.global_norm(stats.full)
     u_norm = optax.global_norm(updates)
     ok = (jnp.isfinite(stats.loss) & jnp.isfinite(g_norm) & jnp.isfinite(u_norm)
