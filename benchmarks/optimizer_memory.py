@@ -14,7 +14,8 @@ state column is exact from the state's shardings (shard shapes), temp and peak a
 
 For every optimizer the full training step (collector scan, optimizer update, skip guard,
 metrics; ``scaleopt.train``) is compiled, not run, with the state donated, on a batch so small
-(2 microbatches of 1 x 16 tokens) that activations are negligible next to the parameters.
+(4 microbatches of 1 x 16 tokens per device) that activations are negligible next to the
+parameters.
 ``jax.jit(step).lower(state, batch).compile().memory_analysis()`` gives, per device:
 
   state       optimizer-state bytes (the ``opt_state`` leaves; exact, from their shapes)

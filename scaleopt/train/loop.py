@@ -219,6 +219,7 @@ def compile_fns(s: Setup) -> Compiled:
                         in_shardings=(param_sh,), out_shardings=state_sh),
       train_step=jax.jit(step_lib.make_train_step(s.model, s.tx, s.spec, s.schedule,
                                                   s.cfg.run.telemetry_every,
+                                                  param_sh=param_sh,
                                                   update_sh=opt_sh if shard_opt else None),
                          in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                          donate_argnums=0),

@@ -56,18 +56,23 @@ def _lr_step(state: TrainState) -> jax.Array:
 
 
 def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
-                    schedule: Callable, telemetry_every: int = 0,
+                    schedule: Callable, telemetry_every: int = 0, param_sh: Any = None,
                     update_sh: Any = None) -> Callable:
   """``step(state, batch) -> (state, metrics)``; batch = {"tokens"[, "b_tokens"]}.
 
   ``spec`` (the data layout) is not needed here: ``collect`` reads it from the state.
   ``telemetry_every``: per-group telemetry every N steps (``scaleopt.train.telemetry``).
-  ``update_sh``: shardings per parameter (``mesh.optimizer_shardings``) that the gradient,
-  the parameters the optimizer reads and the update are constrained to, so the update runs on
-  the slices of the (ZeRO-1) sharded optimizer state; None: left to the in/out shardings."""
+  ``update_sh`` (with ``param_sh``, the parameters' own shardings): per parameter, the layout
+  of a (ZeRO-1) sharded optimizer state (``mesh.optimizer_shardings``). The summed gradient and
+  the parameters the optimizer reads are pinned to ``param_sh`` (so the forward and backward
+  passes keep their layout) and then sliced to ``update_sh``, the update stays there, and the
+  new parameters are all-gathered by the step's output sharding. None: no constraints."""
   del spec
-  on_slices = ((lambda t: t) if update_sh is None
-               else lambda t: jax.lax.with_sharding_constraint(t, update_sh))
+  if update_sh is None:
+    on_slices = lambda t: t
+  else:
+    on_slices = lambda t: jax.lax.with_sharding_constraint(
+        jax.lax.with_sharding_constraint(t, param_sh), update_sh)
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng, key = jax.random.split(state.rng)
@@ -78,7 +83,8 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
       params = on_slices(state.params)
       updates, opt_state = tx.update(on_slices(stats.numerator), state.opt_state, params,
                                      bc_stats=stats)
-    updates = on_slices(updates)
+    if update_sh is not None:
+      updates = jax.lax.with_sharding_constraint(updates, update_sh)
     params = optax.apply_updates(params, updates)
     g_norm = optax.global_norm(stats.full)
     u_norm = optax.global_norm(updates)

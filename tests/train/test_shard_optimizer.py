@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 N = 8
 
 SCRIPT = r"""
-import json, os, sys
+import json, os, re, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.join(os.getcwd(), "tests", "train"))
 import jax, numpy as np
@@ -69,7 +69,12 @@ def run(name, shard, out):
   mirror = [x for p, x in jax.tree_util.tree_flatten_with_path(fns.state_shape.opt_state)[0]
             if any(jax.tree_util.keystr(p).endswith(k) and x.shape == shp
                    for k, shp in pkeys.items())]
-  return dict(args=ma.argument_size_in_bytes, temp=ma.temp_size_in_bytes,
+  # collectives inside the microbatch loop (op names under a while body): the forward and
+  # backward passes must not change
+  in_loop = sorted(m.group(1) for m in re.finditer(
+      r" (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(.*"
+      r"op_name=\"[^\"]*while/body", step.as_text()))
+  return dict(in_loop=in_loop, args=ma.argument_size_in_bytes, temp=ma.temp_size_in_bytes,
               out=ma.output_size_in_bytes, alias=ma.alias_size_in_bytes, other=other,
               moments=int(sum(np.prod(x.shape) * x.dtype.itemsize for x in mirror)),
               params=nbytes(fns.state_shape.params, fns.state_sh.params))
@@ -129,6 +134,7 @@ def test_sharded_state_trains_like_replicated_with_an_nth_of_the_memory(tmp_path
       assert rep["moments"] >= rep["params"]  # every optimizer keeps at least one moment
       saved = s_rep - s_zero
       assert saved >= 0.95 * (1 - 1 / N) * rep["moments"], (name, saved, rep["moments"])
+    assert rep["in_loop"] and zero["in_loop"] == rep["in_loop"], name  # no gathers per microbatch
     # no full-size copy of the state appears inside the step instead
     peak = lambda m: m["args"] + m["out"] - m["alias"] + m["temp"]
     assert peak(rep) - peak(zero) >= 0.9 * (s_rep - s_zero), (name, rep, zero)
