@@ -62,6 +62,8 @@ OPTIMIZERS = [
     ("shampoo, block 1024", {"name": "shampoo", "extra": {"block_size": 1024}}),
     ("shampoo, block 1024, bf16 first moment",
      {"name": "shampoo", "extra": {"block_size": 1024, **BF16}}),
+    ("shampoo, block 1024, no grafting",
+     {"name": "shampoo", "extra": {"block_size": 1024, "graft": "none"}}),
     ("muon", {"name": "muon"}),
 ]
 SHAMPOO = {"name": "shampoo", "extra": {"block_size": 1024}}
