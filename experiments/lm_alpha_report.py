@@ -319,6 +319,15 @@ def alpha_md(res: dict, diag: list[dict]) -> str:
         f"{_f(f['ci_high'])}] | {f['seeds']} | {f['n_min']:,}-{f['n_max']:,} | "
         f"{f['lr']}{edge} | {_f(f['alpha_drop_first'])} / {_f(f['alpha_drop_last'])} | "
         f"{_f(f['alpha_win_min'])}-{_f(f['alpha_win_max'])} |")
+  widths = sorted({int(v) for c in res["curves"].values() for v in c["sizes"]})
+  lines += ["", "Test loss (nats/byte) at the chosen lr, mean +- sd over seeds:", "",
+            "| optimizer | " + " | ".join(f"d={w}" for w in widths) + " |",
+            "|---|" + "---|" * len(widths)]
+  for a, c in res["curves"].items():
+    at = {int(v): c["losses"][:, j] for j, v in enumerate(c["sizes"])}
+    lines.append(f"| {a} | " + " | ".join(
+        f"{at[w].mean():.4f} +- {at[w].std(ddof=1):.4f}" if w in at else "-" for w in widths)
+        + " |")
   lines += ["", f"Floor: L_inf = {pool['floor']:.4f} nats/byte from the pooled fit "
             f"(rms log residual {pool['rms_log_resid']:.4f})"
             + (" -- at its bound, so the floor is not identified by these widths: read the raw "
