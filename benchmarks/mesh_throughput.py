@@ -13,7 +13,8 @@ loss in K sequence slices), ``optNAME`` (optimizer, default adamw), ``uK`` (scan
 ``seqT`` (sequence length), ``remat`` / ``dots`` (full / dots rematerialization), ``xNAME``
 (an extra XLA flag from ``XLA_OPTIONS``), ``eKEY=VALUE`` (an ``optimizer.extra`` entry, e.g.
 ``+optadamw_bc+ecrossfit=loo``, ``+optshampoo+eroot_every=10``, ``+emu_dtype=bfloat16``),
-``fitG`` (the largest batch whose compiled step fits G GiB per device, see below).
+``fitG`` (the largest batch whose compiled step fits G GiB per device, see below), ``zero``
+(``mesh.shard_optimizer``: the optimizer state split over the data axis, ZeRO-1).
 
 ``fitG``: before training, the train step is compiled (not run) on the configuration's mesh at
 the per-GPU microbatch sizes of ``--fit-probe`` (default 8 and 16 sequences) and
@@ -102,6 +103,8 @@ def parse(name: str, defaults: dict) -> dict:
       c["seq"] = int(o[3:])
     elif re.fullmatch(r"fit\d+(\.\d+)?", o):
       c["fit"] = float(o[3:])
+    elif o == "zero":
+      c["shard_optimizer"] = True
     elif o in ("remat", "dots"):
       c["remat"] = "full" if o == "remat" else "dots"
     elif re.fullmatch(r"e[A-Za-z_0-9]+=.+", o):
@@ -141,7 +144,8 @@ def train_config(c: dict, batch: int | None = None):
   """The TrainConfig of configuration ``c`` (``batch`` sequences per step instead of its own);
   no evaluation: only training steps are timed."""
   from scaleopt.train import config as C
-  mesh = {"data": 1, "fsdp": 1, "tensor": 1, c["axis"]: c["n"]}
+  mesh = {"data": 1, "fsdp": 1, "tensor": 1, c["axis"]: c["n"],
+          "shard_optimizer": c.get("shard_optimizer", False)}
   raw = {
       "run": {"steps": c["steps"], "log_every": 10, "eval_every": 0, "eval_batches": 0,
               "checkpoint_every": 0, "async_checkpoint": False, "progress": False,

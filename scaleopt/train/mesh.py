@@ -214,28 +214,50 @@ def optimizer_shardings(mesh: Mesh, params_shape: Any, param_sh: Any, shard: boo
   return jax.tree.map(lambda x, sh: _with_data(mesh, sh, tuple(x.shape)), params_shape, param_sh)
 
 
-def state_shardings(mesh: Mesh, tree_shape: Any, params_shape: Any, param_sh: Any) -> Any:
-  """Shardings for any tree (optimizer state) whose leaves mirror parameters by path suffix;
-  Shampoo's block-stacked factors ``[n_blocks, b, b]`` (L, R and the roots) are split on the
-  block axis over the mesh (``shampoo_lib.block_sharding``), which matches no parameter."""
+def _mirror(params_shape: Any, param_sh: Any) -> Callable:
+  """``pick(path, x)``: the sharding of the parameter whose path ends ``path`` (optax states
+  and the collector's statistics nest the parameter tree) and whose shape is ``x``'s; None if
+  there is none."""
   flat = jax.tree_util.tree_flatten_with_path(params_shape)[0]
-  table = {tuple(str(k) for k in path): (x.shape, sh)
+  table = {tuple(str(k) for k in path): (tuple(x.shape), sh)
            for (path, x), sh in zip(flat, jax.tree.leaves(param_sh))}
   depth = max((len(k) for k in table), default=0)
-  replicated = NamedSharding(mesh, P())
 
   def pick(path, x):
     keys = tuple(str(k) for k in path)
     for n in range(min(depth, len(keys)), 0, -1):
       hit = table.get(keys[-n:])
-      if hit is not None and tuple(hit[0]) == tuple(getattr(x, "shape", ())):
+      if hit is not None and hit[0] == tuple(getattr(x, "shape", ())):
         return hit[1]
-    return replicated
+    return None
+
+  return pick
+
+
+def pin_to_params(tree: Any, params: Any, param_sh: Any) -> Any:
+  """Inside jit: every leaf of ``tree`` that mirrors a parameter of ``params`` (arrays or
+  shapes) constrained to that parameter's sharding; other leaves untouched."""
+  pick = _mirror(params, param_sh)
+
+  def pin(path, x):
+    sh = pick(path, x)
+    return x if sh is None else jax.lax.with_sharding_constraint(x, sh)
+
+  return jax.tree_util.tree_map_with_path(pin, tree)
+
+
+def state_shardings(mesh: Mesh, tree_shape: Any, params_shape: Any, param_sh: Any) -> Any:
+  """Shardings for any tree (optimizer state) whose leaves mirror parameters by path suffix
+  (``_mirror``; replicated where none does); Shampoo's block-stacked factors
+  ``[n_blocks, b, b]`` (L, R and the roots) are split on the block axis over the mesh
+  (``shampoo_lib.block_sharding``), which matches no parameter."""
+  pick = _mirror(params_shape, param_sh)
+  replicated = NamedSharding(mesh, P())
 
   def pick_node(path, x):
     if isinstance(x, ShampooFactors):
       return ShampooFactors(*(block_sharding(mesh, f.shape) for f in x))
-    return pick(path, x)
+    return pick(path, x) or replicated
 
   return jax.tree_util.tree_map_with_path(pick_node, tree_shape,
                                           is_leaf=lambda x: isinstance(x, ShampooFactors))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from scaleopt import models, optim
-from scaleopt.train import bridge, telemetry
+from scaleopt.train import bridge, mesh as mesh_lib, telemetry
 
 PyTree = Any
 
@@ -63,28 +63,31 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
   ``spec`` (the data layout) is not needed here: ``collect`` reads it from the state.
   ``telemetry_every``: per-group telemetry every N steps (``scaleopt.train.telemetry``).
   ``update_sh`` (with ``param_sh``, the parameters' own shardings): per parameter, the layout
-  of a (ZeRO-1) sharded optimizer state (``mesh.optimizer_shardings``). The summed gradient and
-  the parameters the optimizer reads are pinned to ``param_sh`` (so the forward and backward
-  passes keep their layout) and then sliced to ``update_sh``, the update stays there, and the
-  new parameters are all-gathered by the step's output sharding. None: no constraints."""
+  of a (ZeRO-1) sharded optimizer state (``mesh.optimizer_shardings``). What the microbatch
+  loop reads (the state, which collector hooks may read per microbatch) and what it returns
+  (the statistics) are pinned to ``param_sh``, so no sliced layout propagates into the forward
+  and backward passes; the gradient and parameters the optimizer reads are then sliced to
+  ``update_sh``, the update stays there, and the new parameters are all-gathered by the step's
+  output sharding. None: no constraints."""
   del spec
   if update_sh is None:
-    on_slices = lambda t: t
+    pin, on_slices = (lambda t, params: t), (lambda t: t)
   else:
-    on_slices = lambda t: jax.lax.with_sharding_constraint(
-        jax.lax.with_sharding_constraint(t, param_sh), update_sh)
+    pin = lambda t, params: mesh_lib.pin_to_params(t, params, param_sh)
+    on_slices = lambda t: jax.lax.with_sharding_constraint(t, update_sh)
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng, key = jax.random.split(state.rng)
     with models.sharding.constraints(getattr(model, "mesh", None)):  # optimizer work on the mesh
-      stats = optim.collect(model.loss_fn, state.params, batch["tokens"], state.opt_state,
+      stats = optim.collect(model.loss_fn, state.params, batch["tokens"],
+                            pin(state.opt_state, state.params),
                             key=key, logits_fn=model.logits_fn,
                             b_microbatches=batch.get("b_tokens"))
-      params = on_slices(state.params)
+      stats = pin(stats, state.params)
+      params = on_slices(pin(state.params, state.params))
       updates, opt_state = tx.update(on_slices(stats.numerator), state.opt_state, params,
                                      bc_stats=stats)
-    if update_sh is not None:
-      updates = jax.lax.with_sharding_constraint(updates, update_sh)
+    updates = on_slices(updates)
     params = optax.apply_updates(params, updates)
     g_norm = optax.global_norm(stats.full)
     u_norm = optax.global_norm(updates)
