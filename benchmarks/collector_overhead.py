@@ -13,6 +13,15 @@ overhead = t(form) / t(baseline with the same passes) - 1, t = median per-step w
 
     python benchmarks/collector_overhead.py            # GPU: GPT-2 small, 8 x 16 x 1024 tokens
     python benchmarks/collector_overhead.py --quick    # CPU: small model
+
+``--loo``: the leave-one-out implementations at a fixed number of tokens per step (default
+32 x 1024): the fastest AdamW step (one microbatch), AdamW over m microbatches, and adamw_bc
+LOO with two passes, one pass (``loo_passes=1``) and one pass with vmapped microbatch gradients
+(``vmap_microbatches=True``); per step, per executed token (passes x tokens) and the compiled
+memory of each step.
+
+    python benchmarks/collector_overhead.py --loo            # GPU: GPT-2 small, m = 8
+    python benchmarks/collector_overhead.py --loo --quick    # CPU dry run
 """
 
 from __future__ import annotations
@@ -99,9 +108,14 @@ def bc_step(loss_fn, tx):
   return step
 
 
-def timeit(step, params, opt_state, mbs, iters):
-  f = jax.jit(step, donate_argnums=(0, 1))
-  params, opt_state, loss = f(params, opt_state, mbs)  # compile
+def timed(step, params, opt_state, mbs, iters) -> tuple[float, float]:
+  """(median seconds per step, compiled GB: arguments + outputs + temporaries, donated outputs
+  counted once; NaN where the backend reports no memory analysis), one compile."""
+  f = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, mbs).compile()
+  ma = f.memory_analysis()
+  gb = float("nan") if ma is None else (
+      ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+      + ma.temp_size_in_bytes) / 1e9
   params, opt_state, loss = f(params, opt_state, mbs)
   loss.block_until_ready()
   times = []
@@ -110,7 +124,11 @@ def timeit(step, params, opt_state, mbs, iters):
     params, opt_state, loss = f(params, opt_state, mbs)
     loss.block_until_ready()
     times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+  return float(np.median(times)), gb
+
+
+def timeit(step, params, opt_state, mbs, iters):
+  return timed(step, params, opt_state, mbs, iters)[0]
 
 
 # (name, adamw_bc kwargs, microbatch passes relative to m)
@@ -125,10 +143,48 @@ ROWS = [
 ]
 
 
+def loo_rows(cfg, loss_fn, params, iters, kw):
+  """The --loo table: AdamW (m = 1, m) and adamw_bc LOO two-pass / one-pass / one-pass + vmap,
+  all at cfg["seqs"] sequences of cfg["seq"] tokens per step."""
+  m, seqs = cfg["m"], cfg["seqs"]
+  toks = jax.random.randint(jax.random.PRNGKey(1), (seqs, cfg["seq"] + 1), 0, cfg["vocab"])
+  split = lambda k: toks.reshape(k, seqs // k, cfg["seq"] + 1)
+  runs = [("optax.adamw, 1 microbatch", 1, 1, None),
+          (f"optax.adamw, {m} microbatches", m, 1, None),
+          ("adamw_bc LOO, two passes", m, 2, {}),
+          ("adamw_bc LOO, one pass (loo_passes=1)", m, 1, dict(loo_passes=1)),
+          ("adamw_bc LOO, one pass + vmap_microbatches", m, 1, dict(vmap_microbatches=True))]
+  out = []
+  for name, k, passes, opts in runs:
+    if opts is None:
+      tx, make = optax.adamw(1e-4, **kw), baseline_step
+    else:
+      tx = optax.chain(so.collector_options(**opts), so.adamw_bc(1e-4, **kw, mode="full",
+                                                                  crossfit="loo"))
+      make = bc_step
+    p = jax.tree.map(jnp.copy, params)
+    st = tx.init(p)
+    t, gb = timed(make(loss_fn, tx), p, st, split(k), iters)
+    out.append((name, k, passes, t, gb))
+    print(f"  {name}: {t * 1e3:.1f} ms/step, {gb:.2f} GB", flush=True)
+  t0 = out[0][3]
+  tokens = seqs * cfg["seq"]
+  print()
+  print(f"| step ({seqs} x {cfg['seq']} tokens) | microbatches | sweeps | ms/step | vs AdamW m=1 "
+        "per step | us per executed token | vs AdamW m=1 per executed token | compiled GB |")
+  print("|---|---|---|---|---|---|---|---|")
+  for name, k, passes, t, gb in out:
+    per = t / (passes * tokens)
+    print(f"| {name} | {k} | {passes} | {t * 1e3:.1f} | {t / t0:.2f}x | {per * 1e6:.3f} | "
+          f"{per / (t0 / tokens):.2f}x | {gb:.2f} |")
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="small CPU configuration")
   ap.add_argument("--iters", type=int, default=None)
+  ap.add_argument("--loo", action="store_true", help="LOO implementations at fixed tokens/step")
+  ap.add_argument("--seqs", type=int, default=None, help="--loo: sequences per step")
   args = ap.parse_args()
   if args.quick:
     cfg = dict(vocab=512, d=128, layers=2, ff=512, heads=4, seq=64, mb=4, m=8)
@@ -140,6 +196,15 @@ def main():
   params = init_params(jax.random.PRNGKey(0), cfg["vocab"], cfg["d"], cfg["layers"], cfg["ff"])
   n_params = sum(x.size for x in jax.tree.leaves(params))
   dev = jax.devices()[0]
+  kw = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+  if args.loo:
+    cfg["seqs"] = args.seqs or (8 if args.quick else 32)
+    if cfg["seqs"] % cfg["m"]:
+      raise SystemExit(f"--seqs={cfg['seqs']} must be a multiple of m={cfg['m']}")
+    print(f"device: {dev.platform} {getattr(dev, 'device_kind', '')}; params "
+          f"{n_params/1e6:.1f}M; {cfg['seqs']} x {cfg['seq']} tokens per step; m={cfg['m']}; "
+          f"jax {jax.__version__}", flush=True)
+    return loo_rows(cfg, loss_fn, params, iters, kw)
   print(f"device: {dev.platform} {getattr(dev, 'device_kind', '')}; params {n_params/1e6:.1f}M; "
         f"microbatch {cfg['mb']}x{cfg['seq']} tokens; m={cfg['m']}; jax {jax.__version__}")
 
@@ -148,7 +213,6 @@ def main():
                               cfg["vocab"])
     return toks
 
-  kw = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
   base = {}
   for mult in sorted({r[2] for r in ROWS}):
     passes = cfg["m"] * mult

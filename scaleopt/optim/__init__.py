@@ -8,7 +8,8 @@ registry (``register_optimizer``).
 
 from scaleopt.optim import delta, gnb
 from scaleopt.optim.collect import (BCStats, CollectorSpec, GroupStats, LOOStats, Static,
-                                    StateHooks, clip_by_global_norm, collect, collector_spec,
+                                    StateHooks, clip_by_global_norm, collect, collector_options,
+                                    collector_spec,
                                     find_bc_states, register_bc_state, register_estimator,
                                     schedule_count, skipped_tensors, value_and_grad_fn)
 from scaleopt.optim.adam_bc import ScaleByAdamBCState, adamw_bc, scale_by_adam_bc
@@ -21,7 +22,7 @@ from scaleopt.optim.build import OptimizerConfig, build, muon, names, register_o
 
 __all__ = [
     "BCStats", "CollectorSpec", "GroupStats", "LOOStats", "Static", "StateHooks",
-    "clip_by_global_norm", "collect", "collector_spec", "find_bc_states", "register_bc_state",
+    "clip_by_global_norm", "collect", "collector_options", "collector_spec", "find_bc_states", "register_bc_state",
     "register_estimator", "schedule_count", "skipped_tensors", "value_and_grad_fn",
     "ScaleByAdamBCState", "adamw_bc", "scale_by_adam_bc",
     "ScaleBySophiaState", "SophiaCurvature", "scale_by_sophia", "sophia", "sophia_bc",

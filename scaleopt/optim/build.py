@@ -18,7 +18,9 @@ Config: a plain dict or an ``OptimizerConfig``. Keys: ``name``, ``learning_rate`
 ``schedule`` (see ``scaleopt.optim.schedules``), ``clip_norm`` (0 = off), ``clip_numerator_only``
 (the reference code's clip), ``weight_decay``, ``b1``, ``b2``, ``eps`` (None = the optimizer's
 own default) and ``extra``: keyword arguments of the optimizer's alias (``adamw_bc``,
-``sophia``, ``shampoo``, ...); an unknown one is an error naming it.
+``sophia``, ``shampoo``, ...); an unknown one is an error naming it. The bias-corrected names
+also take the collector's microbatching options ``loo_passes`` and ``vmap_microbatches``
+(``COLLECTOR_KEYS``), which ``build`` puts into the chain as ``collector_options``.
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ import jax.numpy as jnp
 import optax
 
 from scaleopt.optim import adam_bc, shampoo_lib, sophia_lib
-from scaleopt.optim.collect import CollectorSpec, clip_by_global_norm, collector_spec
+from scaleopt.optim.collect import (CollectorSpec, clip_by_global_norm, collector_options,
+                                    collector_spec)
 from scaleopt.optim.schedules import ScheduleConfig, make_schedule
 
 PyTree = Any
 Factory = Callable[..., optax.GradientTransformation]
+# ``extra`` keys of the bias-corrected names that go to ``collector_options``, not the alias
+COLLECTOR_KEYS = ("loo_passes", "vmap_microbatches")
 
 
 class Registered(NamedTuple):
@@ -151,11 +156,21 @@ def build(config: Union[Mapping[str, Any], OptimizerConfig], *,
   cfg = OptimizerConfig.from_dict(config)
   lr = make_schedule(cfg.schedule, cfg.learning_rate)
 
+  opts = {k: v for k, v in cfg.extra.items() if k in COLLECTOR_KEYS}
+  alias_cfg = dataclasses.replace(cfg, extra={k: v for k, v in cfg.extra.items()
+                                              if k not in COLLECTOR_KEYS})
+
   def make(wd_mask, sparse_filter):
     try:
-      inner = _REGISTRY[cfg.name].factory(cfg, lr, wd_mask=wd_mask, sparse_filter=sparse_filter)
+      inner = _REGISTRY[cfg.name].factory(alias_cfg, lr, wd_mask=wd_mask,
+                                          sparse_filter=sparse_filter)
     except TypeError as e:  # an ``extra`` key the alias does not take
       raise ValueError(f"optimizer.extra for name={cfg.name!r}: {e}") from None
+    if opts:
+      try:
+        inner = optax.chain(collector_options(**opts), inner)
+      except ValueError as e:
+        raise ValueError(f"optimizer.extra: {e}") from None
     if cfg.clip_norm > 0:
       clip = clip_by_global_norm(cfg.clip_norm, numerator_only=cfg.clip_numerator_only)
       return optax.chain(clip, inner)
@@ -184,7 +199,7 @@ def _adamw(cfg, lr, *, wd_mask, sparse_filter):
 
 
 _ADAMW_BC_KEYS = _kwargs_of(adam_bc.adamw_bc, "sparse_filter", "sparse_learning_rate") + (
-    "sparse_lr_ratio",)
+    "sparse_lr_ratio",) + COLLECTOR_KEYS
 
 
 @register_optimizer("adamw_bc", extra_keys=_ADAMW_BC_KEYS)
@@ -207,7 +222,8 @@ def _sophia_factory(alias):
 
 _SOPHIA_KEYS = _kwargs_of(sophia_lib.scale_by_sophia)
 register_optimizer("sophia", _sophia_factory(sophia_lib.sophia), extra_keys=_SOPHIA_KEYS)
-register_optimizer("sophia_bc", _sophia_factory(sophia_lib.sophia_bc), extra_keys=_SOPHIA_KEYS)
+register_optimizer("sophia_bc", _sophia_factory(sophia_lib.sophia_bc),
+                   extra_keys=_SOPHIA_KEYS + COLLECTOR_KEYS)
 
 
 def _shampoo_factory(alias):
@@ -222,7 +238,7 @@ def _shampoo_factory(alias):
 _SHAMPOO_KEYS = _kwargs_of(shampoo_lib.scale_by_shampoo, "exclude")
 register_optimizer("shampoo", _shampoo_factory(shampoo_lib.shampoo), extra_keys=_SHAMPOO_KEYS)
 register_optimizer("shampoo_bc", _shampoo_factory(shampoo_lib.shampoo_bc),
-                   extra_keys=_SHAMPOO_KEYS)
+                   extra_keys=_SHAMPOO_KEYS + COLLECTOR_KEYS)
 
 
 @register_optimizer("muon", extra_keys=("ns_steps", "nesterov", "adam_b1", "adam_b2",

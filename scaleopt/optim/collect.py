@@ -29,8 +29,20 @@ Layouts (who is numerator, who is preconditioner):
   data is A, so ``full``, ``loss`` and the clip norm come from A alone.
 * ``symmetric``: the step's m microbatches in halves A and B, both with full statistics (same
   examples and compute as std).
-* ``loo``: leave-one-out; pass 1 computes g_full, pass 2 recomputes every g_r and feeds the
-  BC states' fold functions; the scan averages their terms and Welfords their denominators.
+* ``loo``: leave-one-out; the BC states' fold functions run on every g_r given g_full; the
+  collector averages their terms and Welfords their denominators. Two passes (the default,
+  ``loo_passes=2``): pass 1 computes g_full, pass 2 recomputes every g_r (memory independent
+  of m). One pass (``loo_passes=1``): the scan that accumulates g_full also stores every g_r
+  (stacked, float32: m x params x 4 bytes more, ~4 GB for GPT-2 small at m = 8) and the folds
+  scan over the stored gradients (no second forward/backward).
+
+Microbatch gradients (``vmap_microbatches``): by default every group is a ``lax.scan`` of one
+forward/backward per microbatch (memory of one microbatch). With ``vmap_microbatches=True`` a
+group's m gradients come from one ``jax.vmap`` over the microbatch axis (one batched
+forward/backward, the efficiency of one large batch; memory: the group's activations plus
+m x params float32 gradients), and the same statistics (same order of accumulation) run over
+the stacked gradients. LOO then always folds the stored gradients (one pass). Both options are
+set with ``collector_options`` (an element of the chain, like ``clip_by_global_norm``).
 
 Clipping (``clip_by_global_norm`` of this module): one factor c = min(1, max_norm / ||g_full||)
 from the full-batch gradient norm, applied to every statistic (means by c, squares and
@@ -55,6 +67,7 @@ GradFn = Callable[[PyTree, PyTree], tuple[jax.Array, PyTree, PyTree]]
 LAYOUTS = ("all", "ab", "rolling_b", "symmetric", "loo")
 VAR_OF = (None, "grad", "sq", "post_ema")
 CLIPS = ("none", "consistent", "numerator")
+LOO_PASSES = (None, 1, 2)
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -154,6 +167,9 @@ class CollectorSpec:
     estimator_options: static settings of the estimator, a tuple of (name, value) pairs.
     clip: ``"none"``, ``"consistent"`` or ``"numerator"`` (see the module docstring).
     stateful: the statistics read the optimizer state (LOO folds, post-EMA denominators).
+    loo_passes: 1 or 2 sweeps for the ``loo`` layout (None: no preference, 2).
+    vmap_microbatches: per-microbatch gradients of a group by ``jax.vmap`` instead of
+      ``lax.scan`` (None: no preference, scan).
   """
   layout: Optional[str] = "all"
   var_of: Optional[str] = None
@@ -165,11 +181,18 @@ class CollectorSpec:
   estimator_options: tuple = ()
   clip: str = "none"
   stateful: bool = False
+  loo_passes: Optional[int] = None
+  vmap_microbatches: Optional[bool] = None
 
   def __post_init__(self):
     for name, allowed in (("layout", LAYOUTS + (None,)), ("var_of", VAR_OF), ("clip", CLIPS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"CollectorSpec.{name}={getattr(self, name)!r}; allowed: {allowed}")
+    if not (self.loo_passes is None or type(self.loo_passes) is int and self.loo_passes in (1, 2)):
+      raise ValueError(f"loo_passes={self.loo_passes!r} must be 1 or 2 (None: no preference)")
+    if self.vmap_microbatches not in (None, True, False) or type(self.vmap_microbatches) is int:
+      raise ValueError(f"vmap_microbatches={self.vmap_microbatches!r} must be a bool "
+                       "(None: no preference)")
     if not isinstance(self.refresh_every, int) or self.refresh_every < 1:
       raise ValueError(f"CollectorSpec.refresh_every={self.refresh_every!r} must be an int >= 1")
 
@@ -179,11 +202,21 @@ class CollectorSpec:
     return 2 if self.layout == "ab" else 1
 
   @property
+  def vmap(self) -> bool:
+    """Per-microbatch gradients by ``jax.vmap`` (``vmap_microbatches``; default: scan)."""
+    return bool(self.vmap_microbatches)
+
+  @property
+  def loo_one_pass(self) -> bool:
+    """Leave-one-out folds on stored gradients (``loo_passes=1``, or vmapped microbatches)."""
+    return self.loo_passes == 1 or self.vmap
+
+  @property
   def passes_per_step(self) -> float:
     """Forward+backward sweeps per step over the step's own examples (estimator passes of
     non-rolling layouts are not counted)."""
     if self.layout == "loo":
-      return 2.0
+      return 1.0 if self.loo_one_pass else 2.0
     if self.layout == "rolling_b":
       return 1.0 + (1.0 / self.refresh_every if self.estimator else 1.0)
     return 1.0
@@ -270,7 +303,8 @@ def find_bc_states(opt_state: PyTree) -> list[Found]:
 def _merge(found: list[Found]) -> CollectorSpec:
   specs = [f.state.spec.value for f in found]
   pick = lambda name, skip: {getattr(s, name) for s in specs} - {skip}
-  for name, skip in (("layout", None), ("var_of", None), ("estimator", None), ("clip", "none")):
+  for name, skip in (("layout", None), ("var_of", None), ("estimator", None), ("clip", "none"),
+                     ("loo_passes", None), ("vmap_microbatches", None)):
     vals = pick(name, skip)
     if len(vals) > 1:
       raise ValueError(f"the optimizer chain holds bias-corrected transforms that need different "
@@ -281,10 +315,20 @@ def _merge(found: list[Found]) -> CollectorSpec:
   one = lambda name, skip, default: next(iter(pick(name, skip)), default)
   base = est[0] if est else CollectorSpec()
   layout = one("layout", None, "all")
-  return dataclasses.replace(base, layout=layout, var_of=one("var_of", None, None),
-                             need_sq=any(s.need_sq for s in specs),
-                             clip=one("clip", "none", "none"),
-                             stateful=any(s.stateful for s in specs))
+  out = dataclasses.replace(base, layout=layout, var_of=one("var_of", None, None),
+                            need_sq=any(s.need_sq for s in specs),
+                            clip=one("clip", "none", "none"),
+                            stateful=any(s.stateful for s in specs),
+                            loo_passes=one("loo_passes", None, None),
+                            vmap_microbatches=one("vmap_microbatches", None, None))
+  if out.loo_passes is not None and layout != "loo":
+    raise ValueError(f"loo_passes={out.loo_passes} applies to the leave-one-out layout; this "
+                     f"chain's layout is {layout!r}")
+  if out.loo_passes == 2 and out.vmap:
+    raise ValueError("vmap_microbatches=True stores every microbatch gradient, so the "
+                     "leave-one-out folds run on the stored gradients: use loo_passes=1 (or "
+                     "leave it unset) with it")
+  return out
 
 
 def collector_spec(tx_or_state, params: PyTree = None) -> CollectorSpec:
@@ -336,11 +380,38 @@ def _zeros_like_out(fn: Callable, *args) -> PyTree:
   return jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), jax.eval_shape(fn, *args))
 
 
-def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional[str] = None,
-               x_fn: Optional[Callable] = None, need_sq: bool = False):
-  """One scan over a group: (GroupStats, mean loss, mean aux), float32.
+def fold_microbatches(fn: Callable, step: Callable, carry0, xs: PyTree, *, vmap: bool = False,
+                      keep: Optional[Callable] = None):
+  """carry_m of carry_j = step(carry_{j-1}, fn(x_j)) over the leading axis of ``xs``.
 
-  ``x_fn(g_j)`` gives the per-microbatch quantity whose variance ``var_of`` asks for.
+  Scan (default): ``fn`` runs inside a ``lax.scan``, one microbatch at a time (memory of one
+  microbatch). ``vmap=True``: ``jax.vmap(fn)`` over all of ``xs`` at once (one batched call),
+  then the scan runs ``step`` over its stacked outputs in the same order, so both give the same
+  carry up to the rounding of the batched ``fn``.
+
+  Returns:
+    (carry, kept): ``kept`` stacks ``keep(fn(x_j))`` over j (None without ``keep``).
+  """
+  if vmap:
+    ys = jax.vmap(fn)(xs)
+    carry, _ = jax.lax.scan(lambda c, y: (step(c, y), None), carry0, ys)
+    return carry, (keep(ys) if keep else None)
+
+  def body(c, x):
+    y = fn(x)
+    return step(c, y), (keep(y) if keep else None)
+
+  return jax.lax.scan(body, carry0, xs)
+
+
+def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional[str] = None,
+               x_fn: Optional[Callable] = None, need_sq: bool = False, vmap: bool = False,
+               keep_grads: bool = False):
+  """One pass over a group: (GroupStats, mean loss, mean aux), float32.
+
+  ``x_fn(g_j)`` gives the per-microbatch quantity whose variance ``var_of`` asks for;
+  ``vmap``: see ``fold_microbatches``. ``keep_grads=True`` also returns the stacked float32
+  microbatch gradients (m x params) as a fourth output.
   """
   m = num_microbatches(mbs)
   mb0 = jax.tree.map(lambda x: x[0], mbs)
@@ -352,22 +423,27 @@ def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional
   carry0 = dict(g=g_s, sq=g_s if need_sq else None, loss=loss_s, aux=aux_s,
                 w=welford_init(jax.eval_shape(x_fn, g_s)) if var_of else None)
 
-  def body(c, mb):
+  def fn(mb):
     loss, aux, g = grad_fn(params, mb)
-    g = _f32(g)
+    return loss, _f32(aux), _f32(g)
+
+  def step(c, y):
+    loss, aux, g = y
     c = dict(c, g=jax.tree.map(jnp.add, c["g"], g), loss=c["loss"] + loss,
-             aux=jax.tree.map(jnp.add, c["aux"], _f32(aux)))
+             aux=jax.tree.map(jnp.add, c["aux"], aux))
     if need_sq:
       c["sq"] = jax.tree.map(lambda s, t: s + t * t, c["sq"], g)
     if var_of:
       c["w"] = welford_add(c["w"], x_fn(g))
-    return c, None
+    return c
 
-  c, _ = jax.lax.scan(body, carry0, mbs)
+  c, kept = fold_microbatches(fn, step, carry0, mbs, vmap=vmap,
+                              keep=(lambda y: y[2]) if keep_grads else None)
   mean = lambda t: jax.tree.map(lambda s: s / m, t)
   var = welford_var_of_mean(c["w"], m) if var_of else None
   stats = GroupStats(mean=mean(c["g"]), sq=mean(c["sq"]) if need_sq else None, var=var, count=m)
-  return stats, c["loss"] / m, mean(c["aux"])
+  out = (stats, c["loss"] / m, mean(c["aux"]))
+  return out + (kept,) if keep_grads else out
 
 
 def clip_factor(g: PyTree, max_norm) -> jax.Array:
@@ -391,12 +467,14 @@ def _clip_of(found: list[Found], spec: CollectorSpec):
   return next(f.hp["max_norm"] for f in found if "max_norm" in f.hp)
 
 
-def _loo(grad_fn, params, mbs, found, max_norm) -> BCStats:
-  """Two passes: g_full, then per fold r the BC states' fold terms on c g_r (c: clip)."""
+def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
+  """g_full, then per fold r the BC states' fold terms on c g_r (c: clip). Two passes recompute
+  g_r in a second scan; one pass (``spec.loo_one_pass``) folds the g_r stored by the first."""
   m = num_microbatches(mbs)
   if m < 2:
     raise ValueError(f"leave-one-out needs at least 2 microbatches, got m={m}")
-  full, loss, aux = scan_group(grad_fn, params, mbs)
+  one = spec.loo_one_pass
+  full, loss, aux, *g_all = scan_group(grad_fn, params, mbs, vmap=spec.vmap, keep_grads=one)
   c = clip_factor(full.mean, max_norm) if max_norm is not None else jnp.float32(1.0)
   g_full = jax.tree.map(lambda x: c * x, full.mean)
   folds = [_STATE_HOOKS[type(f.state)].fold_fn(f.state, f.hp) for f in found
@@ -406,15 +484,16 @@ def _loo(grad_fn, params, mbs, found, max_norm) -> BCStats:
     outs = [fn(g_r, g_full, m) for fn in folds]
     return jax.tree.map(lambda *xs: sum(xs), *outs)
 
-  _, _, g_s = _zeros_like_out(grad_fn, params, jax.tree.map(lambda x: x[0], mbs))
-  terms0, d0 = _zeros_like_out(fold, g_s)
+  terms0, d0 = _zeros_like_out(fold, g_full)
+  grad_of = (lambda g: g) if one else (lambda mb: _f32(grad_fn(params, mb)[2]))
 
-  def body(carry, mb):
+  def step(carry, g_r):
     t, w = carry
-    terms, d = fold(jax.tree.map(lambda x: c * x, _f32(grad_fn(params, mb)[2])))
-    return (jax.tree.map(jnp.add, t, terms), welford_add(w, d)), None
+    terms, d = fold(jax.tree.map(lambda x: c * x, g_r))
+    return jax.tree.map(jnp.add, t, terms), welford_add(w, d)
 
-  (t, w), _ = jax.lax.scan(body, (terms0, welford_init(d0)), mbs)
+  (t, w), _ = fold_microbatches(grad_of, step, (terms0, welford_init(d0)),
+                                g_all[0] if one else mbs)
   loo = LOOStats(mean=jax.tree.map(lambda s: s / m, t),
                  var=jax.tree.map(lambda s: jnp.maximum(s / (m - 1), 0.0), w.m2))
   return BCStats(g_full, g_full, None, None, loo, loss, aux, c)
@@ -433,12 +512,13 @@ def _x_fn(found: list[Found], spec: CollectorSpec):
 def _layout(grad_fn, params, mbs, spec, found, b_mbs, max_norm) -> BCStats:
   lay = spec.layout
   kw = dict(var_of=spec.var_of, x_fn=_x_fn(found, spec), need_sq=spec.need_sq)
+  vm = dict(vmap=spec.vmap)
   if spec.var_of == "post_ema" and spec.clip == "consistent":
     raise ValueError("the reference post-EMA variance reads per-microbatch denominators before "
                      "the step's clip factor is known; use clip_by_global_norm(..., "
                      "numerator_only=True) with it, as the reference code does")
   if lay == "all":
-    s, loss, aux = scan_group(grad_fn, params, mbs, **kw)
+    s, loss, aux = scan_group(grad_fn, params, mbs, **kw, **vm)
     c = clip_factor(s.mean, max_norm) if max_norm is not None else jnp.float32(1.0)
     s = scale_group(s, c, spec.var_of)
     return BCStats(s.mean, s.mean, s, s, None, loss, aux, c)
@@ -451,8 +531,9 @@ def _layout(grad_fn, params, mbs, spec, found, b_mbs, max_norm) -> BCStats:
   if spec.var_of and min(num_microbatches(mbs_a), num_microbatches(mbs_b)) < 2:
     raise ValueError(f"a variance correction needs at least 2 microbatches per group; layout "
                      f"{lay!r} got {num_microbatches(mbs_a)} and {num_microbatches(mbs_b)}")
-  a, loss_a, aux_a = scan_group(grad_fn, params, mbs_a, **(kw if lay == "symmetric" else {}))
-  b, loss_b, aux_b = scan_group(grad_fn, params, mbs_b, **kw)
+  a, loss_a, aux_a = scan_group(grad_fn, params, mbs_a, **(kw if lay == "symmetric" else {}),
+                                **vm)
+  b, loss_b, aux_b = scan_group(grad_fn, params, mbs_b, **kw, **vm)
   if lay == "rolling_b":
     full, loss, aux = a.mean, loss_a, aux_a
   else:
@@ -500,7 +581,7 @@ def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, opt_state: Py
                                        max_norm=max_norm)
   grad_fn = value_and_grad_fn(loss_fn)
   if spec.layout == "loo":
-    return _loo(grad_fn, params, microbatches, found, max_norm)
+    return _loo(grad_fn, params, microbatches, found, max_norm, spec)
   return _layout(grad_fn, params, microbatches, spec, found, b_microbatches, max_norm)
 
 
@@ -539,6 +620,46 @@ def clip_by_global_norm(max_norm: float, *, numerator_only: bool = False
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+# ----------------------------------------------------------------------------- options
+
+class CollectorOptionsState(NamedTuple):
+  """State of ``collector_options``: a spec with only the microbatching options set."""
+  spec: Static
+  hp: dict
+
+
+register_bc_state(CollectorOptionsState)
+
+
+def collector_options(*, loo_passes: Optional[int] = None,
+                      vmap_microbatches: Optional[bool] = None
+                      ) -> optax.GradientTransformationExtraArgs:
+  """How ``collect`` computes the per-microbatch gradients (an identity transform whose state
+  carries the choice; chain it with a bias-corrected optimizer).
+
+  Args:
+    loo_passes: 2 (default): the leave-one-out folds recompute every g_r in a second sweep
+      (memory independent of m); 1: the first sweep stores the m gradients (m x params x 4
+      bytes more) and the folds run on them (half the forward/backward work).
+    vmap_microbatches: True: each group's m gradients from one ``jax.vmap`` over the
+      microbatch axis (memory: the whole group's activations plus m x params x 4 bytes);
+      False (default): a ``lax.scan``, one microbatch at a time.
+
+  None leaves a setting to the default (or to another element of the chain).
+  """
+  spec = CollectorSpec(layout=None, loo_passes=loo_passes, vmap_microbatches=vmap_microbatches)
+
+  def init_fn(params):
+    del params
+    return CollectorOptionsState(Static(spec), {})
+
+  def update_fn(updates, state, params=None, **_):
+    del params
+    return updates, state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 def align(tree: PyTree, like: PyTree) -> PyTree:
   """``tree`` with MaskedNode wherever ``like`` (an updates tree under partition) has one."""
   masked = lambda x: isinstance(x, optax.MaskedNode)
@@ -546,18 +667,18 @@ def align(tree: PyTree, like: PyTree) -> PyTree:
 
 
 def refresh_groups(grad_fn: GradFn, params: PyTree, microbatches: PyTree, layout: str,
-                   refresh: jax.Array, b_microbatches: PyTree = None):
+                   refresh: jax.Array, b_microbatches: PyTree = None, *, vmap: bool = False):
   """Numerator group statistics and the preconditioner group for periodic refreshes.
 
   ``ab``: on refresh steps the numerator uses group A only (cross-fit), on the other steps
   all microbatches (``lax.cond``); ``rolling_b``: A is ``microbatches``, B
-  ``b_microbatches``; ``all``: both use every microbatch.
+  ``b_microbatches``; ``all``: both use every microbatch. ``vmap``: see ``fold_microbatches``.
 
   Returns:
     ((mean gradient, loss, aux) of the numerator group, group-B microbatches).
   """
   def num_of(mbs):
-    s, loss, aux = scan_group(grad_fn, params, mbs)
+    s, loss, aux = scan_group(grad_fn, params, mbs, vmap=vmap)
     return s.mean, loss, aux
 
   if layout == "ab":

@@ -408,7 +408,7 @@ def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collect
   root = (st.count % spec.refresh_every) == 0
   grad_fn = value_and_grad_fn(loss_fn)
   (num, loss, aux), mbs_b = refresh_groups(grad_fn, params, microbatches, spec.layout, root,
-                                           b_microbatches)
+                                           b_microbatches, vmap=spec.vmap)
   m_b = jax.tree.leaves(mbs_b)[0].shape[0]
   if opts["two_pass"] and m_b < 2:
     raise ValueError(f"the eigenvalue-variance correction needs >= 2 microbatches in group B, "

@@ -48,9 +48,9 @@ import optax
 from scaleopt.optim import delta, gnb
 from scaleopt.optim.adam_bc import check_choice, keep_finite, tmap, unzip
 from scaleopt.optim.collect import (BCStats, CollectorSpec, Static, align, clip_factor,
-                                    refresh_groups, register_bc_state, register_estimator,
-                                    value_and_grad_fn, welford_add, welford_init,
-                                    welford_var_of_mean)
+                                    fold_microbatches, refresh_groups, register_bc_state,
+                                    register_estimator, value_and_grad_fn, welford_add,
+                                    welford_init, welford_var_of_mean)
 
 PyTree = Any
 
@@ -126,26 +126,29 @@ def sophia_collector_spec(mode, crossfit, estimator, k, statistic, count_unit,
 
 
 def _curvature_pass(loss_fn, logits_fn, params, mbs, key, estimator, statistic, weight,
-                    need_var):
-  """Scan over the curvature group: h_step and Var(h_step) (float32)."""
+                    need_var, vmap=False):
+  """Pass over the curvature group: h_step and Var(h_step) (float32); ``vmap``: the
+  per-microbatch estimates by one ``jax.vmap`` (``collect.fold_microbatches``)."""
   m = jax.tree.leaves(mbs)[0].shape[0]
   keys = jax.random.split(key, m)
   z = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), params)
   carry0 = dict(g=z, w=welford_init(z), n=jnp.zeros((), jnp.float32))
 
-  def body(c, inp):
+  def fn(inp):
     mb, kj = inp
     if estimator == "gnb":
       g, n_tok, n_seq = gnb.gnb_grad(logits_fn, params, mb, kj)
       w = {"tokens": n_tok, "sequences": n_seq, "none": 1.0}[weight]
-      x = jax.tree.map(lambda t: w * t * t, g)
-      c = dict(c, n=c["n"] + (n_tok if weight == "tokens" else n_seq),
-               g=jax.tree.map(jnp.add, c["g"], g))
-    else:
-      x = gnb.hutchinson_diag(loss_fn, params, mb, kj)
-    return dict(c, w=welford_add(c["w"], x)), None
+      return g, jax.tree.map(lambda t: w * t * t, g), n_tok if weight == "tokens" else n_seq
+    return None, gnb.hutchinson_diag(loss_fn, params, mb, kj), None
 
-  c, _ = jax.lax.scan(body, carry0, (mbs, keys))
+  def step(c, y):
+    g, x, n = y
+    if estimator == "gnb":
+      c = dict(c, n=c["n"] + n, g=jax.tree.map(jnp.add, c["g"], g))
+    return dict(c, w=welford_add(c["w"], x))
+
+  c, _ = fold_microbatches(fn, step, carry0, (mbs, keys), vmap=vmap)
   if estimator == "gnb" and statistic == "sq_of_mean":
     scale = c["n"] if weight != "none" else 1.0
     h = jax.tree.map(lambda s: scale * (s / m) ** 2, c["g"])
@@ -175,7 +178,8 @@ def sophia_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collecto
   states = [f.state for f in found if isinstance(f.state, ScaleBySophiaState)]
   refresh = (states[0].count % spec.refresh_every) == 0
   (num, loss, aux), mbs_c = refresh_groups(value_and_grad_fn(loss_fn), params, microbatches,
-                                           spec.layout, refresh, b_microbatches)
+                                           spec.layout, refresh, b_microbatches,
+                                           vmap=spec.vmap)
   need_var = opts["need_var"]
   m_c = jax.tree.leaves(mbs_c)[0].shape[0]
   if need_var and m_c < 2:
@@ -184,7 +188,7 @@ def sophia_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collecto
 
   def run():
     return _curvature_pass(loss_fn, logits_fn, params, mbs_c, key, spec.estimator,
-                           opts["statistic"], opts["weight"], need_var)
+                           opts["statistic"], opts["weight"], need_var, spec.vmap)
 
   def skip():
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run))

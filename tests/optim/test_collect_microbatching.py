@@ -1,0 +1,230 @@
+"""The collector's microbatching options against its default scan: one-pass leave-one-out
+(``loo_passes=1``) and vmapped microbatch gradients (``vmap_microbatches=True``) must give the
+same statistics and the same updates, per coordinate, and cost the expected memory.
+
+Tolerance. The options change where the per-microbatch gradients are computed (inside the
+scan, stored from the first sweep, or from one batched ``vmap``), not the arithmetic of the
+statistics: the accumulation order over microbatches is the same. One-pass LOO runs the same
+gradient computation and the same folds, so it must agree exactly (measured: bitwise). Vmapped
+gradients differ by the rounding of the batched forward/backward (XLA blocks a batched matmul
+differently), a few float32 ulps per entry (measured ~3e-6 relative on the mean gradient);
+the LOO fold's m_hat / d^3 term triples a relative error of d and the fold variance is a
+difference of close terms (measured 4e-5). rtol 1e-4 (final parameters 2e-5) with an absolute
+floor of 1e-6 of each leaf's scale: a 10% change of any coefficient fails by orders of
+magnitude.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import scaleopt.optim as so
+from scaleopt.optim.collect import CollectorSpec
+from scaleopt.study import engines
+from scaleopt.train import bridge
+
+M = 8
+
+
+def close(a, b, rtol=1e-4):
+  """Per coordinate; rtol=0: exactly equal."""
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb) and la
+  for x, y in zip(la, lb):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    atol = 1e-6 * max(np.abs(y).max(), 1e-30) if rtol else 0.0
+    np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+# ----------------------------------------------------------------------------- a small MLP
+
+def mlp():
+  k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
+  params = {"w1": jax.random.normal(k1, (6, 5)) * 0.5, "b1": jnp.full((5,), 0.1),
+            "w2": jax.random.normal(k2, (5, 3)) * 0.5}
+  mbs = {"x": jax.random.normal(k3, (M, 4, 6)), "y": jax.random.normal(k4, (M, 4, 3))}
+
+  def loss(p, mb):
+    err = jnp.tanh(mb["x"] @ p["w1"] + p["b1"]) @ p["w2"] - mb["y"]
+    return jnp.mean(err ** 2), {"abs": jnp.mean(jnp.abs(err))}
+
+  return params, mbs, loss
+
+
+def run(tx, params, mbs, loss, steps=2, **kw):
+  """``steps`` jitted steps of collect + update; (stats of every step, final params)."""
+  @jax.jit
+  def step(p, st, k):
+    stats = so.collect(loss, p, mbs, st, key=k, **kw)
+    u, st = tx.update(stats.numerator, st, p, bc_stats=stats)
+    return optax.apply_updates(p, u), st, stats
+
+  st, out = tx.init(params), []
+  for t in range(steps):
+    params, st, stats = step(params, st, jax.random.PRNGKey(t))
+    out.append(stats)
+  return out, params
+
+
+def adamw_bc_chain(opts, **bc):
+  """clip (consistent, active) + options + adamw_bc under inject_hyperparams."""
+  inner = optax.inject_hyperparams(so.adamw_bc, static_args=("mode", "crossfit"))(
+      learning_rate=1e-2, b2=0.9, **bc)
+  return optax.chain(so.clip_by_global_norm(0.05), so.collector_options(**opts), inner)
+
+
+@functools.cache
+def two_pass_loo():
+  params, mbs, loss = mlp()
+  return run(adamw_bc_chain({}), params, mbs, loss)
+
+
+# ----------------------------------------------------------------------------- adamw_bc
+
+@pytest.mark.parametrize("opts,rtol", [(dict(loo_passes=1), 0.0),
+                                       (dict(vmap_microbatches=True), 1e-4)])
+def test_loo_one_pass_and_vmap_equal_the_two_pass_scan(opts, rtol):
+  params, mbs, loss = mlp()
+  ref, p_ref = two_pass_loo()
+  got, p_got = run(adamw_bc_chain(opts), params, mbs, loss)
+  assert float(ref[0].clip_factor) < 0.5  # the clip is active and scales every fold
+  for r, g in zip(ref, got):
+    close(g.loo.mean, r.loo.mean, rtol)
+    close(g.loo.var, r.loo.var, rtol)
+    close((g.numerator, g.full, g.loss, g.aux, g.clip_factor),
+          (r.numerator, r.full, r.loss, r.aux, r.clip_factor), rtol)
+  close(p_got, p_ref, rtol and 2e-5)
+  assert not np.allclose(p_got["w1"], params["w1"], rtol=1e-3)  # the steps moved
+
+
+@pytest.mark.parametrize("mode,crossfit", [("full", "ab"), ("inv", "ab")])
+def test_vmap_equals_scan_for_group_layouts(mode, crossfit):
+  params, mbs, loss = mlp()
+  bc = dict(mode=mode, crossfit=crossfit)
+  ref, p_ref = run(adamw_bc_chain({}, **bc), params, mbs, loss)
+  got, p_got = run(adamw_bc_chain(dict(vmap_microbatches=True), **bc), params, mbs, loss)
+  for r, g in zip(ref, got):
+    close((g.numerator, g.full, g.loss, g.aux, g.a, g.b), (r.numerator, r.full, r.loss, r.aux,
+                                                          r.a, r.b))
+  close(p_got, p_ref)
+
+
+# ----------------------------------------------------------------------------- sophia, shampoo
+
+def softmax_regression():
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(3), 3)
+  params = {"w": jax.random.normal(k1, (4, 3)) * 0.3}
+  mbs = {"x": jax.random.normal(k2, (M, 5, 4)), "y": jax.random.randint(k3, (M, 5), 0, 3)}
+
+  def logits_fn(p, mb):
+    return mb["x"] @ p["w"], jnp.ones(mb["y"].shape, jnp.float32)
+
+  def loss(p, mb):
+    lg = logits_fn(p, mb)[0]
+    ll = jnp.take_along_axis(jax.nn.log_softmax(lg), mb["y"][:, None], -1)
+    return -jnp.mean(ll), {}
+
+  return params, mbs, loss, logits_fn
+
+
+def test_sophia_bc_vmap_equals_scan(estimator="gnb"):
+  params, mbs, loss, logits_fn = softmax_regression()
+  make = lambda opts: optax.chain(so.collector_options(**opts), so.sophia_bc(
+      1e-2, k=2, estimator=estimator, statistic="mean_sq"))
+  ref, p_ref = run(make({}), params, mbs, loss, logits_fn=logits_fn)
+  got, p_got = run(make(dict(vmap_microbatches=True)), params, mbs, loss, logits_fn=logits_fn)
+  assert bool(ref[0].precond.refresh) and not bool(ref[1].precond.refresh)
+  for r, g in zip(ref, got):
+    close((g.numerator, g.loss, g.precond.var), (r.numerator, r.loss, r.precond.var))
+    close(g.precond.h_step, r.precond.h_step)
+  close(p_got, p_ref)
+
+
+def test_shampoo_bc_vmap_equals_scan():
+  k1, k2 = jax.random.split(jax.random.PRNGKey(5))
+  params = {"w": jax.random.normal(k1, (6, 4)) * 0.3}
+  mbs = jax.random.normal(k2, (M, 3, 6))
+  loss = lambda p, x: (jnp.mean(jnp.tanh(x @ p["w"]) ** 2), {})
+  make = lambda opts: optax.chain(so.collector_options(**opts), so.shampoo_bc(
+      1e-2, block_size=64, root_every=1, damping=1e-3))
+  ref, p_ref = run(make({}), params, mbs, loss)
+  got, p_got = run(make(dict(vmap_microbatches=True)), params, mbs, loss)
+  for r, g in zip(ref, got):
+    close((g.numerator, g.full, g.loss), (r.numerator, r.full, r.loss))
+    close(g.precond, r.precond, rtol=1e-4)  # eigenvectors: float32 eigh of the same factors
+  close(p_got, p_ref, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- memory
+
+def test_compiled_memory_grows_by_m_gradient_copies():
+  """One-pass LOO and vmapped microbatches hold the m float32 gradients: their compiled
+  temporaries exceed the two-pass scan's by about m x params x 4 bytes (the scan's own
+  temporaries do not depend on m, tests/optim/test_collect.py)."""
+  d, m = 192, 8
+  params = {"w1": jnp.zeros((d, d)), "w2": jnp.zeros((d, d))}
+  mbs = {"x": jnp.zeros((m, 2, d)), "y": jnp.zeros((m, 2, d))}
+  loss = lambda p, mb: (jnp.mean((jnp.tanh(mb["x"] @ p["w1"]) @ p["w2"] - mb["y"]) ** 2), {})
+
+  def temp(opts, **bc):
+    tx = optax.chain(so.collector_options(**opts), so.adamw_bc(1e-3, **bc))
+    st = tx.init(params)
+    f = jax.jit(lambda p, b, s: so.collect(loss, p, b, s))
+    return f.lower(params, mbs, st).compile().memory_analysis().temp_size_in_bytes
+
+  extra = m * 2 * d * d * 4
+  two, one, vm = temp({}), temp(dict(loo_passes=1)), temp(dict(vmap_microbatches=True))
+  assert 0.95 * extra <= one - two <= 1.1 * extra, (two, one, extra)
+  assert 0.95 * extra <= vm - two <= 1.1 * extra, (two, vm, extra)
+  # A/B: two groups of m/2, each stacked (m/2 to m copies alive, as XLA schedules them)
+  ab, ab_vm = temp({}, crossfit="ab"), temp(dict(vmap_microbatches=True), crossfit="ab")
+  assert 0.45 * extra <= ab_vm - ab <= 1.1 * extra, (ab, ab_vm, extra)
+
+
+# ----------------------------------------------------------------------------- spec, accounting
+
+def test_options_set_the_spec_and_the_sweep_accounting():
+  base = dict(name="adamw_bc", learning_rate=1e-3)
+  spec = lambda **ex: so.build({**base, "extra": ex})[1]
+  assert spec().passes_per_step == 2.0 and not spec().vmap
+  assert spec(loo_passes=1).passes_per_step == 1.0
+  assert spec(vmap_microbatches=True).passes_per_step == 1.0 and spec(vmap_microbatches=True).vmap
+  assert spec(mode="full", crossfit="ab", vmap_microbatches=True).passes_per_step == 1.0
+  assert bridge.passes_per_step(spec(loo_passes=1)) == 1.0
+
+  class Data:
+    batch_size = 16
+
+  class Cfg:
+    data = Data
+
+  assert engines.gradient_passes(Cfg, spec(loo_passes=1), 10) == 160.0
+  assert engines.gradient_passes(Cfg, spec(), 10) == 320.0
+  sh = so.build({"name": "shampoo_bc", "learning_rate": 1e-3,
+                 "extra": {"vmap_microbatches": True}})[1]
+  assert sh.vmap and sh.estimator == "shampoo"
+
+
+@pytest.mark.parametrize("extra,match", [
+    (dict(crossfit="ab", loo_passes=1), "leave-one-out layout"),
+    (dict(loo_passes=2, vmap_microbatches=True), "loo_passes=1"),
+    (dict(loo_passes=3), "loo_passes=3"),
+    (dict(vmap_microbatches="yes"), "vmap_microbatches='yes'"),
+])
+def test_bad_options_are_one_line_errors(extra, match):
+  with pytest.raises(ValueError, match=match):
+    so.build({"name": "adamw_bc", "learning_rate": 1e-3, "extra": extra})
+
+
+def test_conflicting_options_in_one_chain():
+  tx = optax.chain(so.collector_options(vmap_microbatches=True),
+                   so.collector_options(vmap_microbatches=False), so.adamw_bc(1e-3))
+  with pytest.raises(ValueError, match="vmap_microbatches"):
+    so.collector_spec(tx)
+  with pytest.raises(ValueError, match="loo_passes"):
+    so.build({"name": "adamw", "learning_rate": 1e-3, "extra": {"loo_passes": 1}})
+  assert CollectorSpec().passes_per_step == 1.0
