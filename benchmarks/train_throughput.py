@@ -108,8 +108,8 @@ def main(argv=None) -> int:
     for i, (name, opt, micro) in enumerate(runs):
       s = system_run(args.preset, opt, args.batch, args.seq, micro, args.steps, dtype,
                      pathlib.Path(tmp) / str(i), unroll=args.unroll)
-      passes = 2 if s["layout"] == "loo" else 1
-      label = opt["name"] + (" (LOO)" if passes == 2 else "")
+      passes = s["sweeps_per_step"]
+      label = opt["name"] + (" (LOO)" if s["layout"] == "loo" else "")
       rows.append((name, label, micro, s["tokens_per_s"], s["tokens_per_s"] * passes))
       print(f"# {name} {label} m={micro}: {s['tokens_per_s']:,.0f} tokens/s, compile "
             f"{s['compile_s']:.1f}s, final loss {s['final_train_loss']:.3f}", flush=True)

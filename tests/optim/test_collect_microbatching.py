@@ -133,13 +133,16 @@ def softmax_regression():
 
 def test_sophia_bc_vmap_equals_scan(estimator="gnb"):
   params, mbs, loss, logits_fn = softmax_regression()
-  make = lambda opts: optax.chain(so.collector_options(**opts), so.sophia_bc(
-      1e-2, k=2, estimator=estimator, statistic="mean_sq"))
+  make = lambda opts: optax.chain(so.clip_by_global_norm(0.05), so.collector_options(**opts),
+                                  so.sophia_bc(1e-2, k=2, estimator=estimator,
+                                               statistic="mean_sq"))
   ref, p_ref = run(make({}), params, mbs, loss, logits_fn=logits_fn)
   got, p_got = run(make(dict(vmap_microbatches=True)), params, mbs, loss, logits_fn=logits_fn)
   assert bool(ref[0].precond.refresh) and not bool(ref[1].precond.refresh)
+  assert float(ref[0].clip_factor) < 0.5
   for r, g in zip(ref, got):
-    close((g.numerator, g.loss, g.precond.var), (r.numerator, r.loss, r.precond.var))
+    close((g.numerator, g.loss, g.precond.var, g.clip_factor),
+          (r.numerator, r.loss, r.precond.var, r.clip_factor))
     close(g.precond.h_step, r.precond.h_step)
   close(p_got, p_ref)
 
@@ -149,12 +152,15 @@ def test_shampoo_bc_vmap_equals_scan():
   params = {"w": jax.random.normal(k1, (6, 4)) * 0.3}
   mbs = jax.random.normal(k2, (M, 3, 6))
   loss = lambda p, x: (jnp.mean(jnp.tanh(x @ p["w"]) ** 2), {})
-  make = lambda opts: optax.chain(so.collector_options(**opts), so.shampoo_bc(
-      1e-2, block_size=64, root_every=1, damping=1e-3))
+  make = lambda opts: optax.chain(so.clip_by_global_norm(0.05), so.collector_options(**opts),
+                                  so.shampoo_bc(1e-2, block_size=64, root_every=1,
+                                                damping=1e-3))
   ref, p_ref = run(make({}), params, mbs, loss)
   got, p_got = run(make(dict(vmap_microbatches=True)), params, mbs, loss)
+  assert float(ref[0].clip_factor) < 0.5
   for r, g in zip(ref, got):
-    close((g.numerator, g.full, g.loss), (r.numerator, r.full, r.loss))
+    close((g.numerator, g.full, g.loss, g.clip_factor), (r.numerator, r.full, r.loss,
+                                                         r.clip_factor))
     close(g.precond, r.precond, rtol=1e-4)  # eigenvectors: float32 eigh of the same factors
   close(p_got, p_ref, rtol=1e-4)
 
