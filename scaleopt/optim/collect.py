@@ -188,9 +188,9 @@ class CollectorSpec:
     for name, allowed in (("layout", LAYOUTS + (None,)), ("var_of", VAR_OF), ("clip", CLIPS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"CollectorSpec.{name}={getattr(self, name)!r}; allowed: {allowed}")
-    if not (self.loo_passes is None or type(self.loo_passes) is int and self.loo_passes in (1, 2)):
+    if self.loo_passes not in LOO_PASSES or type(self.loo_passes) not in (int, type(None)):
       raise ValueError(f"loo_passes={self.loo_passes!r} must be 1 or 2 (None: no preference)")
-    if self.vmap_microbatches not in (None, True, False) or type(self.vmap_microbatches) is int:
+    if not isinstance(self.vmap_microbatches, (bool, type(None))):
       raise ValueError(f"vmap_microbatches={self.vmap_microbatches!r} must be a bool "
                        "(None: no preference)")
     if not isinstance(self.refresh_every, int) or self.refresh_every < 1:
