@@ -164,7 +164,11 @@ def loo_rows(cfg, loss_fn, params, iters, kw):
       make = bc_step
     p = jax.tree.map(jnp.copy, params)
     st = tx.init(p)
-    t, gb = timed(make(loss_fn, tx), p, st, split(k), iters)
+    try:  # one failing row (e.g. out of memory) must not cost the others
+      t, gb = timed(make(loss_fn, tx), p, st, split(k), iters)
+    except Exception as e:  # noqa: BLE001 - reported, the table marks the row
+      print(f"  {name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+      t, gb = float("nan"), float("nan")
     out.append((name, k, passes, t, gb))
     print(f"  {name}: {t * 1e3:.1f} ms/step, {gb:.2f} GB", flush=True)
   t0 = out[0][3]
