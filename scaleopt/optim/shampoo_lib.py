@@ -62,6 +62,11 @@ CROSSFITS = ("ab", "rolling_b")
 ROOT_METHODS = ("eigh", "newton")
 GRAFTS = ("none", "adam")
 STACKED = ("auto", "none")
+# Precisions of the per-step matmuls (``matmul_precision``, ``stats_precision``): a
+# ``jax.lax.Precision`` level (backend-dependent: on recent NVIDIA GPUs "default" and "high" are
+# TF32 passes, on TPU bfloat16 passes) or an exact ``jax.lax.DotAlgorithmPreset``.
+PRECISIONS = ("highest", "high", "default", "F32_F32_F32", "TF32_TF32_F32", "BF16_BF16_F32",
+              "BF16_BF16_F32_X3", "BF16_BF16_F32_X6")
 
 
 # ----------------------------------------------------------------------------- blocking
@@ -96,11 +101,21 @@ def from_blocks(xb: jax.Array, shape, blk) -> jax.Array:
   return x[:, :shape[-2], :shape[-1]].reshape(shape)
 
 
-def _gram(gb):
-  """Per-block G G^T and G^T G (float32, highest precision)."""
-  hp = jax.lax.Precision.HIGHEST
-  return (jnp.einsum("nij,nkj->nik", gb, gb, precision=hp),
-          jnp.einsum("nji,njk->nik", gb, gb, precision=hp))
+def block_norms(x: jax.Array, blk) -> jax.Array:
+  """Frobenius norm of every block of ``x`` (..., d1, d2), shape (n * nb1 * nb2, 1, 1) in
+  ``to_blocks`` order, without the block layout: a reshape and a sum over each block's rows
+  and columns (no transpose, and under a mesh only partial sums move between devices)."""
+  nb1, bs1, nb2, bs2 = blk
+  d1, d2 = x.shape[-2:]
+  x = jnp.pad(x.reshape(-1, d1, d2), ((0, 0), (0, nb1 * bs1 - d1), (0, nb2 * bs2 - d2)))
+  sq = jnp.sum(jnp.square(x.reshape(-1, nb1, bs1, nb2, bs2)), axis=(2, 4))
+  return jnp.sqrt(sq).reshape(-1, 1, 1)
+
+
+def _gram(gb, precision="highest"):
+  """Per-block G G^T and G^T G (float32 results; ``precision``: one of ``PRECISIONS``)."""
+  return (jnp.einsum("nij,nkj->nik", gb, gb, precision=precision),
+          jnp.einsum("nji,njk->nik", gb, gb, precision=precision))
 
 
 # ----------------------------------------------------------------------------- roots
@@ -315,15 +330,17 @@ def _check_int(name, v, lo=1):
 
 # ----------------------------------------------------------------------------- collector
 
-def shampoo_collector_spec(mode: str, crossfit: str, root_every: int,
-                           block_size: int) -> CollectorSpec:
-  """The estimator pass these settings need (``std``: the plain collector)."""
+def shampoo_collector_spec(mode: str, crossfit: str, root_every: int, block_size: int,
+                           stats_precision: str = "highest") -> CollectorSpec:
+  """The estimator pass these settings need (``std``: the plain collector); the B-side
+  statistics G_j G_j^T, G_j^T G_j take ``stats_precision``."""
   check_choice("mode", mode, MODES)
   check_choice("crossfit", crossfit, CROSSFITS)
   if mode == "std":
     return CollectorSpec(layout=None)
   layout = "all" if mode == "inv" else crossfit
-  opts = (("two_pass", mode in ("inv", "full")), ("block_size", block_size))
+  opts = (("two_pass", mode in ("inv", "full")), ("block_size", block_size),
+          ("stats_precision", stats_precision))
   return CollectorSpec(layout=layout, estimator="shampoo", refresh_every=root_every,
                        estimator_options=opts, stateful=True)
 
@@ -356,7 +373,8 @@ def _eig_variances(grad_fn, params, mbs_b, keys, bs, eig_l, eig_r, b2, c):
   return tuple({k: jnp.maximum(v * den, 0.0) for k, v in side.items()} for side in w.m2)
 
 
-def _factor_pass(grad_fn, params, mbs_b, st, keys, bs, hp, num, clip_of, two_pass):
+def _factor_pass(grad_fn, params, mbs_b, st, keys, bs, hp, num, clip_of, two_pass,
+                 stats_precision):
   """Pass 1 over B (factor statistics, B's mean gradient and loss), then for the two-pass
   form the eigendecomposition of the new factors and pass 2. Statistics are of c G_j."""
   m_b = jax.tree.leaves(mbs_b)[0].shape[0]
@@ -367,7 +385,7 @@ def _factor_pass(grad_fn, params, mbs_b, st, keys, bs, hp, num, clip_of, two_pas
     s, g_sum, l_sum, a_sum = carry
     loss, aux, g = grad_fn(params, mb)
     gb = _blocks_of(g, keys, bs)
-    s = {k: tuple(x + y for x, y in zip(s[k], _gram(gb[k]))) for k in keys}
+    s = {k: tuple(x + y for x, y in zip(s[k], _gram(gb[k], stats_precision))) for k in keys}
     g_sum = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_sum, g)
     return (s, g_sum, l_sum + loss, jax.tree.map(jnp.add, a_sum, aux)), None
 
@@ -426,7 +444,7 @@ def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collect
   clip_of = lambda g_b: (clip_factor(full_of(g_b), max_norm) if max_norm is not None
                          else jnp.float32(1.0))
   run = lambda: _factor_pass(grad_fn, params, mbs_b, st, keys, bs, hp, num, clip_of,
-                             opts["two_pass"])
+                             opts["two_pass"], opts["stats_precision"])
   skip = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run))
   pre, (g_b, loss_b, aux_b) = jax.lax.cond(root, run, skip)
   pre = pre._replace(root=root)
@@ -494,22 +512,20 @@ def _ema_factors(f, keys, sl, sr, b2):
           for k in keys}
 
 
-def _direction(g, mu, nu, f, blk, graft, adam, update_clip_fro):
-  """(u, nu) of one tensor: P_L M P_R (grafted to the Adam norm per block) or Adam."""
-  hp = jax.lax.Precision.HIGHEST
+def _direction(g, mu, nu, f, blk, graft, adam, update_clip_fro, precision):
+  """(u, nu) of one tensor: P_L M P_R (matmuls at ``precision``; grafted to the Adam norm per
+  block) or Adam."""
   bc1, ab2, bc2, eps = adam
   if f is None or graft == "adam":
     nu = ab2 * nu + (1 - ab2) * g * g
     adam_dir = (mu / bc1) / (jnp.sqrt(nu / bc2) + eps)
   if f is None:
     return adam_dir, nu
-  ub = jnp.matmul(jnp.matmul(f.PL, _on_owner(to_blocks(mu, blk)), precision=hp), f.PR,
-                  precision=hp)
+  ub = jnp.matmul(jnp.matmul(f.PL, _on_owner(to_blocks(mu, blk)), precision=precision), f.PR,
+                  precision=precision)
   if graft == "adam":
-    ab = _on_owner(to_blocks(adam_dir, blk))
     n_u = jnp.sqrt(jnp.sum(ub * ub, axis=(1, 2), keepdims=True))
-    n_a = jnp.sqrt(jnp.sum(ab * ab, axis=(1, 2), keepdims=True))
-    ub = ub * (n_a / jnp.maximum(n_u, 1e-30))
+    ub = ub * (block_norms(adam_dir, blk) / jnp.maximum(n_u, 1e-30))
   u = from_blocks(ub, g.shape, blk)
   if update_clip_fro > 0:
     u = u * jnp.minimum(1.0, update_clip_fro / jnp.maximum(jnp.sqrt(jnp.sum(u * u)), 1e-30))
@@ -517,8 +533,10 @@ def _direction(g, mu, nu, f, blk, graft, adam, update_clip_fro):
 
 
 def _validate(*, root_method, graft, stacked, block_size, stats_every, root_every, max_dim,
-              newton_iters, mode, damping):
+              newton_iters, mode, damping, matmul_precision, stats_precision):
   check_choice("root_method", root_method, ROOT_METHODS)
+  check_choice("matmul_precision", matmul_precision, PRECISIONS)
+  check_choice("stats_precision", stats_precision, PRECISIONS)
   check_choice("graft", graft, GRAFTS)
   check_choice("stacked", stacked, STACKED)
   for n, v in (("block_size", block_size), ("stats_every", stats_every),
@@ -551,7 +569,7 @@ def _all_directions(orig_l, g_l, mu_l, nu_l, fac, blk, t, hp):
     out_mu[i] = b1_i * mu_l[i] + (1 - b1_i) * g
     adam = (1.0 - b1_i ** t, hp["ab2"], 1.0 - hp["ab2"] ** t, hp["eps"])
     u, out_nu[i] = _direction(g, out_mu[i], nu_l[i], f, blk.get(str(i)), hp["graft"], adam,
-                              hp["update_clip_fro"])
+                              hp["update_clip_fro"], hp["matmul_precision"])
     out_u[i] = u.astype(orig_l[i].dtype)
   return out_u, out_mu, out_nu
 
@@ -581,6 +599,8 @@ def scale_by_shampoo(
     crossfit: str = "ab",
     correction_scale: float = 1.0,
     mu_dtype: Optional[str] = None,
+    matmul_precision: str = "highest",
+    stats_precision: str = "highest",
 ) -> optax.GradientTransformationExtraArgs:
   """Shampoo's scaling with an AdamW fallback; see the module docstring.
 
@@ -611,11 +631,19 @@ def scale_by_shampoo(
     mu_dtype: dtype of the stored momentum M (None: float32; as ``optax.adamw``'s
       ``mu_dtype``): b1 M + (1 - b1) G runs in float32 from the stored M (as optax's), and M
       is rounded to ``mu_dtype`` when stored.
+    matmul_precision: precision of the two matmuls of P_L M P_R per block, one of
+      ``PRECISIONS`` ("highest": true float32; "TF32_TF32_F32" / "BF16_BF16_F32": one tensor-core
+      pass with inputs rounded to 10 / 7 mantissa bits, about 3 / 2 significant digits per
+      product, float32 accumulation; docs/optim.md, Shampoo matmul precision).
+    stats_precision: precision of the statistics G G^T, G^T G (every stats_every steps, and
+      the collector's B-side statistics). Eigendecompositions, roots and the eigenvalue
+      variances always run in float32 at the highest precision.
   """
-  spec = shampoo_collector_spec(mode, crossfit, root_every, block_size)
   _validate(root_method=root_method, graft=graft, stacked=stacked, block_size=block_size,
             stats_every=stats_every, root_every=root_every, max_dim=max_dim,
-            newton_iters=newton_iters, mode=mode, damping=damping)
+            newton_iters=newton_iters, mode=mode, damping=damping,
+            matmul_precision=matmul_precision, stats_precision=stats_precision)
+  spec = shampoo_collector_spec(mode, crossfit, root_every, block_size, stats_precision)
   ab1 = b1 if adam_b1 is None else adam_b1
   ab2 = b2 if adam_b2 is None else adam_b2
   hp = lambda: {k: jnp.asarray(v, jnp.float32) for k, v in
@@ -646,7 +674,8 @@ def scale_by_shampoo(
     blk = {k: blocking(g_l[int(k)].shape, block_size) for k in keys}
     fac = state.factors
     if mode == "std":  # statistics of the step's gradient every stats_every steps
-      gram = {k: _gram(_on_owner(to_blocks(g_l[int(k)], blk[k]))) for k in keys}
+      gram = {k: _gram(_on_owner(to_blocks(g_l[int(k)], blk[k])), stats_precision)
+              for k in keys}
       fac = jax.lax.cond(count % stats_every == 0, lambda f: _ema_factors(
           f, keys, {k: v[0] for k, v in gram.items()}, {k: v[1] for k, v in gram.items()}, b2),
           lambda f: f, fac)
@@ -659,7 +688,8 @@ def scale_by_shampoo(
       fac = jax.lax.cond(is_root, do_roots, lambda f: f, fac)
     out_u, out_mu, out_nu = _all_directions(
         orig_l, g_l, mu_l, nu_l, fac, blk, count_inc.astype(jnp.float32),
-        dict(b1=b1, ab1=ab1, ab2=ab2, eps=eps, graft=graft, update_clip_fro=update_clip_fro))
+        dict(b1=b1, ab1=ab1, ab2=ab2, eps=eps, graft=graft, update_clip_fro=update_clip_fro,
+             matmul_precision=matmul_precision))
     un = lambda l: jax.tree.unflatten(td, l)
     fac = {k: ShampooFactors(*map(_on_owner, f)) for k, f in fac.items()}
     out_mu = [m if _is_masked(m) else m.astype(mu_dt) for m in out_mu]

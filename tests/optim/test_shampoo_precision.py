@@ -1,0 +1,109 @@
+"""Shampoo's matmul precision options: where they reach and how far the update may move."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from scaleopt.optim import shampoo_lib as S
+
+BF16 = "lhs_precision_type = bf16, rhs_precision_type = bf16"
+
+
+def _problem(seed=0):
+  rng = np.random.default_rng(seed)
+  params = {"w": rng.normal(size=(8, 12)), "v": rng.normal(size=(12, 6)), "b": rng.normal(size=6)}
+  grads = [{k: rng.normal(size=v.shape) * (1.0 + np.arange(v.shape[-1]) / 3.0)
+            for k, v in params.items()} for _ in range(8)]
+  f32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
+  return f32(params), [f32(g) for g in grads]
+
+
+def _dots(text):
+  """(precision config, algorithm or '') of every dot_general in a StableHLO text."""
+  out = []
+  for line in text.splitlines():
+    if "stablehlo.dot_general" in line:
+      p = re.search(r"precision = \[(\w+), (\w+)\]", line)
+      out.append((p.group(1) if p else "DEFAULT", BF16 if BF16 in line else ""))
+  return out
+
+
+def test_precisions_reach_their_dots_and_roots_stay_highest():
+  """Two matrices: 2 statistics dots (G G^T, G^T G) and 2 preconditioner dots (P_L M, . P_R)
+  each take their own option; the root dots stay HIGHEST."""
+  params, grads = _problem()
+  lowered = lambda **kw: jax.jit(S.scale_by_shampoo(block_size=64, **kw).update).lower(
+      grads[0], S.scale_by_shampoo(block_size=64, **kw).init(params), params).as_text()
+  base = _dots(lowered())
+  assert base and all(d == ("HIGHEST", "") for d in base)
+  got = _dots(lowered(matmul_precision="BF16_BF16_F32", stats_precision="default"))
+  assert len(got) == len(base)
+  assert sum(a == BF16 for _, a in got) == 2 * 2  # P_L M P_R of 2 matrices
+  assert sum(d == ("DEFAULT", "") for d in got) == 2 * 2  # G G^T, G^T G of 2 matrices
+  assert sum(d == ("HIGHEST", "") for d in got) == len(base) - 8 > 0  # roots
+  only_stats = _dots(lowered(stats_precision="high"))
+  assert sum(p == "HIGH" for p, _ in only_stats) == 4
+  assert sum(p == "HIGHEST" for p, _ in only_stats) == len(base) - 4
+
+
+def test_collector_statistics_take_stats_precision():
+  """shampoo_bc's B-side statistics read stats_precision from the collector spec."""
+  tx = S.scale_by_shampoo(mode="cf", stats_precision="BF16_BF16_F32")
+  opts = dict(tx.init({"w": jnp.zeros((4, 4))}).spec.value.estimator_options)
+  assert opts["stats_precision"] == "BF16_BF16_F32"
+  gb = jnp.ones((2, 4, 3))
+  text = jax.jit(lambda g: S._gram(g, opts["stats_precision"])).lower(gb).as_text()
+  assert [a for _, a in _dots(text)] == [BF16, BF16]
+
+
+# Per-coordinate tolerance of the update, in units of its RMS over the tensor. Emulating the
+# accelerator passes on 768 x 768 blocks of realistic factors (inputs of P_L M and of (P_L M)
+# P_R rounded to the pass's mantissa, float32 accumulation; docs/optim.md) gives a largest
+# coordinate error of 0.12 RMS and an RMS error of 0.0034 RMS for one bfloat16 pass (7
+# stored mantissa bits), 0.013 and 0.0004 for TF32 (10 bits); the bounds below leave 2x room.
+# On CPU every option computes in float32 and the updates agree to round-off; on GPU/TPU the
+# same test checks the bound.
+TOL = {"BF16_BF16_F32": (0.25, 7e-3), "default": (0.03, 1e-3), "high": (0.03, 1e-3)}
+
+
+@pytest.mark.parametrize("prec", sorted(TOL))
+def test_lower_precision_update_within_its_bound(prec):
+  params, grads = _problem(1)
+  max_tol, rms_tol = TOL[prec]
+
+  def run(**kw):
+    tx = S.shampoo(1e-2, block_size=5, root_every=3, damping=1e-3, **kw)
+    th, st, out = params, tx.init(params), []
+    step = jax.jit(tx.update)
+    for g in grads:
+      u, st = step(g, st, th)
+      th = optax.apply_updates(th, u)
+      out.append(u)
+    return out
+
+  ref, got = run(), run(matmul_precision=prec, stats_precision=prec)
+  for u_ref, u in zip(ref, got):
+    for k in ("w", "v"):
+      a, b = np.asarray(u_ref[k], np.float64), np.asarray(u[k], np.float64)
+      rms = np.sqrt(np.mean(a ** 2))
+      assert np.abs(b - a).max() <= max_tol * rms, k
+      assert np.sqrt(np.mean((b - a) ** 2)) <= rms_tol * rms, k
+
+
+def test_bad_precision_is_a_one_line_error():
+  with pytest.raises(ValueError, match=r"matmul_precision='fp8' is not allowed; choose one of"):
+    S.scale_by_shampoo(matmul_precision="fp8")
+  with pytest.raises(ValueError, match=r"stats_precision='bf16'"):
+    S.shampoo(1e-3, stats_precision="bf16")
+
+
+def test_block_norms_equal_norms_of_the_blocks():
+  """block_norms (no block layout) equals the norms of to_blocks' blocks, padding included."""
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 7, 10)), jnp.float32)
+  blk = S.blocking(x.shape, 4)
+  ref = np.linalg.norm(np.asarray(S.to_blocks(x, blk)), axis=(1, 2))
+  np.testing.assert_allclose(np.asarray(S.block_norms(x, blk))[:, 0, 0], ref, rtol=1e-6)
