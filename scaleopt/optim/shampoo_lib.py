@@ -62,6 +62,10 @@ CROSSFITS = ("ab", "rolling_b")
 ROOT_METHODS = ("eigh", "newton")
 GRAFTS = ("none", "adam")
 STACKED = ("auto", "none")
+# ``eigh_implementation``: the solver of jax.lax.linalg.eigh; None: the backend's default (on
+# GPU cuSOLVER syevd, Jacobi for n <= 32), "jacobi" (GPU: cuSOLVER syevj for every size; not
+# on CPU), "qr" (syevd / LAPACK).
+EIGH_IMPLEMENTATIONS = (None, "jacobi", "qr")
 # Precisions of the per-step matmuls (``matmul_precision``, ``stats_precision``): a
 # ``jax.lax.Precision`` level (backend-dependent: on recent NVIDIA GPUs "default" and "high" are
 # TF32 passes, on TPU bfloat16 passes) or an exact ``jax.lax.DotAlgorithmPreset``.
@@ -124,10 +128,14 @@ def _sym(a):
   return 0.5 * (a + jnp.swapaxes(a, -1, -2))
 
 
-def eigh_damped(f: jax.Array, damping: float, floor: float):
-  """(lam, Q) of f + damping I (batched over leading axes), lam floored at ``floor``."""
+def eigh_damped(f: jax.Array, damping: float, floor: float,
+                implementation: Optional[str] = None):
+  """(lam, Q) of f + damping I (batched over leading axes), lam floored at ``floor``;
+  ``implementation``: one of ``EIGH_IMPLEMENTATIONS``."""
   eye = jnp.eye(f.shape[-1], dtype=jnp.float32)
-  lam, q = jnp.linalg.eigh(_sym(f.astype(jnp.float32)) + damping * eye)
+  impl = None if implementation is None else jax.lax.linalg.EighImplementation(implementation)
+  q, lam = jax.lax.linalg.eigh(_sym(f.astype(jnp.float32)) + damping * eye,
+                               symmetrize_input=False, implementation=impl)
   return jnp.maximum(lam, floor), q
 
 
@@ -331,16 +339,18 @@ def _check_int(name, v, lo=1):
 # ----------------------------------------------------------------------------- collector
 
 def shampoo_collector_spec(mode: str, crossfit: str, root_every: int, block_size: int,
-                           stats_precision: str = "highest") -> CollectorSpec:
+                           stats_precision: str = "highest",
+                           eigh_implementation: Optional[str] = None) -> CollectorSpec:
   """The estimator pass these settings need (``std``: the plain collector); the B-side
-  statistics G_j G_j^T, G_j^T G_j take ``stats_precision``."""
+  statistics G_j G_j^T, G_j^T G_j take ``stats_precision``, the two-pass eigendecomposition
+  ``eigh_implementation``."""
   check_choice("mode", mode, MODES)
   check_choice("crossfit", crossfit, CROSSFITS)
   if mode == "std":
     return CollectorSpec(layout=None)
   layout = "all" if mode == "inv" else crossfit
   opts = (("two_pass", mode in ("inv", "full")), ("block_size", block_size),
-          ("stats_precision", stats_precision))
+          ("stats_precision", stats_precision), ("eigh_implementation", eigh_implementation))
   return CollectorSpec(layout=layout, estimator="shampoo", refresh_every=root_every,
                        estimator_options=opts, stateful=True)
 
@@ -374,7 +384,7 @@ def _eig_variances(grad_fn, params, mbs_b, keys, bs, eig_l, eig_r, b2, c):
 
 
 def _factor_pass(grad_fn, params, mbs_b, st, keys, bs, hp, num, clip_of, two_pass,
-                 stats_precision):
+                 stats_precision, eigh_implementation):
   """Pass 1 over B (factor statistics, B's mean gradient and loss), then for the two-pass
   form the eigendecomposition of the new factors and pass 2. Statistics are of c G_j."""
   m_b = jax.tree.leaves(mbs_b)[0].shape[0]
@@ -404,7 +414,8 @@ def _factor_pass(grad_fn, params, mbs_b, st, keys, bs, hp, num, clip_of, two_pas
   b2, damping = hp["b2"], hp["damping"]
   mats = {**{("L", k): b2 * st.factors[k].L + (1 - b2) * sl[k] for k in keys},
           **{("R", k): b2 * st.factors[k].R + (1 - b2) * sr[k] for k in keys}}
-  eig = _batched_by_size(mats, lambda f: eigh_damped(f, damping, hp["eig_floor_ratio"] * damping))
+  floor = hp["eig_floor_ratio"] * damping
+  eig = _batched_by_size(mats, lambda f: eigh_damped(f, damping, floor, eigh_implementation))
   eig_l, eig_r = ({k: eig[(side, k)] for k in keys} for side in ("L", "R"))
   var_l, var_r = _eig_variances(grad_fn, params, mbs_b, keys, bs, eig_l, eig_r, b2, c)
   return ShampooPrecond(sl, sr, eig_l, eig_r, var_l, var_r, jnp.bool_(True)), extra
@@ -444,7 +455,8 @@ def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collect
   clip_of = lambda g_b: (clip_factor(full_of(g_b), max_norm) if max_norm is not None
                          else jnp.float32(1.0))
   run = lambda: _factor_pass(grad_fn, params, mbs_b, st, keys, bs, hp, num, clip_of,
-                             opts["two_pass"], opts["stats_precision"])
+                             opts["two_pass"], opts["stats_precision"],
+                             opts["eigh_implementation"])
   skip = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run))
   pre, (g_b, loss_b, aux_b) = jax.lax.cond(root, run, skip)
   pre = pre._replace(root=root)
@@ -487,7 +499,7 @@ def _init(params, exclude, eligible, block_size, graft, mu_dtype):
 
 
 def _roots(f, keys, pre, *, root_method, damping, floor, newton_iters, correction_scale,
-           d_max):
+           d_max, eigh_implementation):
   """New P_L, P_R for every factor (batched over blocks and tensors of one size); with
   ``pre.eig_L`` (two-pass form) the collector's corrected eigenvalues."""
   if pre is not None and pre.eig_L is not None:
@@ -498,7 +510,8 @@ def _roots(f, keys, pre, *, root_method, damping, floor, newton_iters, correctio
   else:
     mats = {**{("L", k): f[k].L for k in keys}, **{("R", k): f[k].R for k in keys}}
     if root_method == "eigh":
-      fn = lambda x: root_from_eig(*eigh_damped(x, damping, floor), d_max=d_max)
+      fn = lambda x: root_from_eig(*eigh_damped(x, damping, floor, eigh_implementation),
+                                   d_max=d_max)
     else:
       fn = lambda x: newton_inverse_root(x, damping, 4, newton_iters)
     out = _batched_by_size(mats, fn)
@@ -533,10 +546,14 @@ def _direction(g, mu, nu, f, blk, graft, adam, update_clip_fro, precision):
 
 
 def _validate(*, root_method, graft, stacked, block_size, stats_every, root_every, max_dim,
-              newton_iters, mode, damping, matmul_precision, stats_precision):
+              newton_iters, mode, damping, matmul_precision, stats_precision,
+              eigh_implementation):
   check_choice("root_method", root_method, ROOT_METHODS)
   check_choice("matmul_precision", matmul_precision, PRECISIONS)
   check_choice("stats_precision", stats_precision, PRECISIONS)
+  check_choice("eigh_implementation", eigh_implementation, EIGH_IMPLEMENTATIONS)
+  if eigh_implementation == "jacobi" and jax.default_backend() == "cpu":
+    raise ValueError("eigh_implementation='jacobi' needs a GPU (no Jacobi eigh on CPU)")
   check_choice("graft", graft, GRAFTS)
   check_choice("stacked", stacked, STACKED)
   for n, v in (("block_size", block_size), ("stats_every", stats_every),
@@ -601,6 +618,7 @@ def scale_by_shampoo(
     mu_dtype: Optional[str] = None,
     matmul_precision: str = "highest",
     stats_precision: str = "highest",
+    eigh_implementation: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Shampoo's scaling with an AdamW fallback; see the module docstring.
 
@@ -638,17 +656,22 @@ def scale_by_shampoo(
     stats_precision: precision of the statistics G G^T, G^T G (every stats_every steps, and
       the collector's B-side statistics). Eigendecompositions, roots and the eigenvalue
       variances always run in float32 at the highest precision.
+    eigh_implementation: the eigendecomposition's solver, one of ``EIGH_IMPLEMENTATIONS``
+      (None: the backend's default; "jacobi" needs a GPU).
   """
   _validate(root_method=root_method, graft=graft, stacked=stacked, block_size=block_size,
             stats_every=stats_every, root_every=root_every, max_dim=max_dim,
             newton_iters=newton_iters, mode=mode, damping=damping,
-            matmul_precision=matmul_precision, stats_precision=stats_precision)
-  spec = shampoo_collector_spec(mode, crossfit, root_every, block_size, stats_precision)
+            matmul_precision=matmul_precision, stats_precision=stats_precision,
+            eigh_implementation=eigh_implementation)
+  spec = shampoo_collector_spec(mode, crossfit, root_every, block_size, stats_precision,
+                                eigh_implementation)
   ab1 = b1 if adam_b1 is None else adam_b1
   ab2 = b2 if adam_b2 is None else adam_b2
   hp = lambda: {k: jnp.asarray(v, jnp.float32) for k, v in
                 (("b2", b2), ("damping", damping), ("eig_floor_ratio", eig_floor_ratio))}
   root_kw = dict(root_method=root_method, damping=damping, floor=eig_floor_ratio * damping,
+                 eigh_implementation=eigh_implementation,
                  newton_iters=newton_iters, correction_scale=correction_scale, d_max=d_max)
 
   mu_dt = jnp.dtype(jnp.float32 if mu_dtype is None else mu_dtype)

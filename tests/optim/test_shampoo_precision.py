@@ -107,3 +107,22 @@ def test_block_norms_equal_norms_of_the_blocks():
   blk = S.blocking(x.shape, 4)
   ref = np.linalg.norm(np.asarray(S.to_blocks(x, blk)), axis=(1, 2))
   np.testing.assert_allclose(np.asarray(S.block_norms(x, blk))[:, 0, 0], ref, rtol=1e-6)
+
+
+def test_eigh_implementation_reaches_the_solver():
+  """"jacobi" selects cuSOLVER's Jacobi solver (lowered for a GPU: no GPU needed); "qr" on CPU
+  gives the default roots; "jacobi" on CPU is a one-line error."""
+  f = jnp.asarray(np.random.default_rng(4).normal(size=(3, 8, 8)), jnp.float32)
+  f = f @ jnp.swapaxes(f, 1, 2)
+  algo = lambda impl: re.findall(r"algorithm = (\d) : ui8", jax.jit(
+      lambda x: S.eigh_damped(x, 1e-3, 1e-6, impl)).trace(f).lower(
+          lowering_platforms=("cuda",)).as_text())
+  assert algo(None) == ["0"] and algo("qr") == ["1"] and algo("jacobi") == ["2"]
+  ref = S.root_from_eig(*S.eigh_damped(f, 1e-3, 1e-6))
+  np.testing.assert_allclose(np.asarray(S.root_from_eig(*S.eigh_damped(f, 1e-3, 1e-6, "qr"))),
+                             np.asarray(ref), rtol=1e-5, atol=1e-6)
+  if jax.default_backend() == "cpu":
+    with pytest.raises(ValueError, match="eigh_implementation='jacobi' needs a GPU"):
+      S.scale_by_shampoo(eigh_implementation="jacobi")
+  with pytest.raises(ValueError, match="eigh_implementation='svd' is not allowed"):
+    S.scale_by_shampoo(eigh_implementation="svd")
