@@ -51,13 +51,22 @@ def test_precisions_reach_their_dots_and_roots_stay_highest():
 
 
 def test_collector_statistics_take_stats_precision():
-  """shampoo_bc's B-side statistics read stats_precision from the collector spec."""
-  tx = S.scale_by_shampoo(mode="cf", stats_precision="BF16_BF16_F32")
-  opts = dict(tx.init({"w": jnp.zeros((4, 4))}).spec.value.estimator_options)
-  assert opts["stats_precision"] == "BF16_BF16_F32"
-  gb = jnp.ones((2, 4, 3))
-  text = jax.jit(lambda g: S._gram(g, opts["stats_precision"])).lower(gb).as_text()
-  assert [a for _, a in _dots(text)] == [BF16, BF16]
+  """shampoo_bc's B-side statistics (the collector's factor pass) take stats_precision; the
+  projections of the two-pass correction stay HIGHEST."""
+  import scaleopt.optim as so
+  params = {"w": jnp.zeros((6, 5), jnp.float32)}
+  gs = jnp.ones((4, 6, 5), jnp.float32)
+  loss_fn = lambda p, mb: (jnp.sum(p["w"] * mb), {})
+
+  def dots(**kw):
+    tx = S.scale_by_shampoo(block_size=64, root_every=1, mode="full", **kw)
+    st = tx.init(params)
+    return _dots(jax.jit(lambda s: so.collect(loss_fn, params, gs, s)).lower(st).as_text())
+
+  base, got = dots(), dots(stats_precision="BF16_BF16_F32")
+  assert base and all(d == ("HIGHEST", "") for d in base)
+  assert len(got) == len(base) and sum(a == BF16 for _, a in got) == 2  # G G^T, G^T G
+  assert sum(d == ("HIGHEST", "") for d in got) == len(base) - 2 > 0
 
 
 # Per-coordinate tolerance of the update, in units of its RMS over the tensor. Emulating the
