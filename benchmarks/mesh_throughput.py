@@ -164,17 +164,11 @@ def train_config(c: dict, batch: int | None = None):
   return C.from_dict(raw)
 
 
-def compiled_peak(c: dict, per_gpu: int) -> dict:
-  """Per-device bytes of configuration ``c``'s train step at ``per_gpu`` sequences per GPU and
-  microbatch, compiled (not run) on its mesh: arguments, temporaries and the peak
-  (arguments + outputs - donated + temporaries)."""
+def step_inputs(s, fns) -> tuple:
+  """Abstract (state, batch) of setup ``s``'s train step with their shardings: what
+  ``fns.train_step.lower`` compiles without running."""
   import jax
   import jax.numpy as jnp
-  from scaleopt.train import loop, mesh as mesh_lib
-  shards = c["n"] if c["axis"] in ("data", "fsdp") else 1
-  s = loop.setup(train_config(c, per_gpu * shards * c["micro"]))
-  assert mesh_lib.batch_shards(s.mesh) == shards
-  fns = loop.compile_fns(s)
   st = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                     fns.state_shape, fns.state_sh)
   d = s.cfg.data
@@ -182,6 +176,20 @@ def compiled_peak(c: dict, per_gpu: int) -> dict:
   batch = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=fns.batch_sh)}
   if s.spec.layout == "rolling_b":
     batch["b_tokens"] = batch["tokens"]
+  return st, batch
+
+
+def compiled_peak(c: dict, per_gpu: int) -> dict:
+  """Per-device bytes of configuration ``c``'s train step at ``per_gpu`` sequences per GPU and
+  microbatch, compiled (not run) on its mesh: arguments, temporaries and the peak
+  (arguments + outputs - donated + temporaries)."""
+  from scaleopt.train import loop, mesh as mesh_lib
+  shards = c["n"] if c["axis"] in ("data", "fsdp") else 1
+  s = loop.setup(train_config(c, per_gpu * shards * c["micro"]))
+  assert mesh_lib.batch_shards(s.mesh) == shards
+  fns = loop.compile_fns(s)
+  st, batch = step_inputs(s, fns)
+  d = s.cfg.data
   t0 = time.time()
   ma = fns.train_step.lower(st, batch).compile().memory_analysis()
   peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes

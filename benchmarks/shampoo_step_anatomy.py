@@ -207,20 +207,11 @@ def compiled_stats(text: str, big_mib: float) -> dict:
 
 def lowered_step(c: dict):
   """The train step of configuration ``c`` lowered on its mesh (``scaleopt.train.loop``'s
-  jit, shardings and donation), and the setup."""
-  import jax
-  import jax.numpy as jnp
+  jit, shardings and donation), the setup and the jitted functions."""
   from scaleopt.train import loop
   s = loop.setup(mt.train_config(c))
   fns = loop.compile_fns(s)
-  st = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                    fns.state_shape, fns.state_sh)
-  d = s.cfg.data
-  shape = (d.microbatches * s.spec.num_groups, d.batch_size // d.microbatches, d.seq_len + 1)
-  batch = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=fns.batch_sh)}
-  if s.spec.layout == "rolling_b":
-    batch["b_tokens"] = batch["tokens"]
-  return fns.train_step.lower(st, batch), s, fns
+  return fns.train_step.lower(*mt.step_inputs(s, fns)), s, fns
 
 
 def run_one(c: dict) -> dict:
