@@ -250,6 +250,27 @@ def _divided(fn: Callable) -> Callable:
   return run
 
 
+def _concat_call(arrs: list, fn: Callable) -> list:
+  """``fn`` on the concatenation of ``arrs`` along axis 0, split back: one result per array."""
+  x = jnp.concatenate(arrs, axis=0) if len(arrs) > 1 else arrs[0]
+  res, out, o = fn(x), [], 0
+  for a in arrs:
+    out.append(jax.tree.map(lambda r, o=o, n=a.shape[0]: r[o:o + n], res))
+    o += a.shape[0]
+  return out
+
+
+def _local_axes(arrs: list):
+  """The mesh axes over which every array's block axis is split when ``block_axes`` splits
+  each of them over all devices of the mesh in context (each device then holds 1/ndev of
+  every array's blocks), else None."""
+  mesh = _mesh()
+  if mesh is None:
+    return None
+  axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+  return axes if all(block_axes(mesh, a.shape[0]) == axes for a in arrs) else None
+
+
 def _batched_by_size(mats: dict, fn: Callable) -> dict:
   """Applies ``fn`` to every (n_i, s, s) array, batching all arrays of one size s together
   (one concatenation, one batched call, one split per size).
@@ -259,12 +280,15 @@ def _batched_by_size(mats: dict, fn: Callable) -> dict:
   intra-op thread pool and block on it, and two such kernels in flight at once can take every
   pool thread and deadlock (seen with jax 0.10.2 on 2 cores). Accelerators keep the batched call.
 
-  Under a multi-device mesh (``_divided``) every device decomposes only its share of each
-  size's batch: ceil(N / ndev) matrices instead of N.
+  Under a multi-device mesh every device decomposes only its share of each size's batch:
+  ceil(N / ndev) matrices instead of N. When every array of a size has its blocks split over
+  all devices (the block sharding of the state), each device concatenates and decomposes the
+  blocks it already holds (``shard_map`` over the arrays' own sharding: no communication, and
+  the results stay where their factors are); otherwise ``_divided`` splits the concatenation.
   """
   serial = jax.default_backend() == "cpu"
   per_matrix = lambda x: jax.lax.map(lambda a: jax.tree.map(lambda r: r[0], fn(a[None])), x)
-  call = _divided(per_matrix if serial else fn)
+  inner = per_matrix if serial else fn
   by_size: dict[int, list] = {}
   for key, a in mats.items():
     by_size.setdefault(a.shape[-1], []).append(key)
@@ -272,16 +296,18 @@ def _batched_by_size(mats: dict, fn: Callable) -> dict:
   prev = None
   for s, keys in by_size.items():
     arrs = [mats[k] for k in keys]
-    sizes = [a.shape[0] for a in arrs]
-    x = jnp.concatenate(arrs, axis=0) if len(arrs) > 1 else arrs[0]
     if serial and prev is not None:
-      x, _ = jax.lax.optimization_barrier((x, prev))
-    res = prev = call(x)
-    offs = [0]
-    for n in sizes:
-      offs.append(offs[-1] + n)
-    for i, k in enumerate(keys):
-      out[k] = jax.tree.map(lambda r: r[offs[i]:offs[i + 1]], res)
+      arrs, _ = jax.lax.optimization_barrier((arrs, prev))
+    axes = _local_axes(arrs)
+    if axes:
+      spec = P(axes, None, None)
+      res = jax.shard_map(lambda *xs: tuple(_concat_call(list(xs), inner)), mesh=_mesh(),
+                          in_specs=(spec,) * len(arrs), out_specs=P(axes),
+                          check_vma=False)(*arrs)
+    else:
+      res = _concat_call(arrs, _divided(inner))
+    prev = res
+    out.update(zip(keys, res))
   return out
 
 
