@@ -42,11 +42,12 @@ def vmap_ok(cfg: TrainConfig) -> bool:
 
 
 def gradient_passes(cfg: TrainConfig, spec, steps: int) -> float:
-  """Sequences through forward + backward: steps x batch x groups x sweeps per step, where
-  Sophia's curvature pass (one more sweep every ``refresh_every`` steps) counts for std and BC
-  forms alike."""
+  """Sequences through forward + backward: steps x batch x groups x sweeps per step. Sophia's
+  curvature pass is one more sweep every ``refresh_every`` steps where it reruns the step's
+  own microbatches (``all``, ``symmetric``); with ``ab`` it takes group B's place on refresh
+  steps, and ``rolling_b`` counts it in ``passes_per_step``."""
   sweeps = bridge.passes_per_step(spec)
-  if spec.estimator in ("gnb", "hutchinson") and spec.layout != "rolling_b":
+  if spec.estimator in ("gnb", "hutchinson") and spec.layout not in ("ab", "rolling_b"):
     sweeps += 1.0 / spec.refresh_every
   return float(steps * cfg.data.batch_size * spec.num_groups * sweeps)
 
