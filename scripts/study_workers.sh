@@ -9,8 +9,9 @@
 # ROOT/<basename>. Workers go
 # through the studies in order and stop (checkpointing) MINUTES after the launch; rerun the same
 # command to continue. Logs: ROOT/worker<i>.log. The report is left to `scaleopt study
-# --report-only` (run it anywhere the folders are). SCALEOPT_WORKERS overrides the GPU count
-# (on CPU: the number of local workers, for a dry run).
+# --report-only` (run it anywhere the folders are). SCALEOPT_GPUS="1 2 3" picks the GPUs (one
+# worker each; e.g. leave GPU 0 to a benchmark running beside the study); SCALEOPT_WORKERS
+# overrides the GPU count (on CPU: the number of local workers, for a dry run).
 set -u
 [ $# -ge 3 ] || { echo "usage: $0 MINUTES ROOT STUDY[@KEY=VALUE...] ..." >&2; exit 2; }
 minutes=$1 root=$2
@@ -18,11 +19,12 @@ shift 2
 py=${PYTHON:-python3}
 n=${SCALEOPT_WORKERS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
 [ "$n" -ge 1 ] || n=1
+gpus=${SCALEOPT_GPUS:-$(seq -s ' ' 0 $((n - 1)))}
 token="launch-$(date +%s)-$$"
 deadline=$(( $(date +%s) + ${minutes%.*} * 60 ))
 mkdir -p "$root"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$root/.jax_cache}
-echo "$n worker(s), token $token, until $(date -d @$deadline +%T)"
+echo "worker(s) on GPU(s) $gpus, token $token, until $(date -d @$deadline +%T)"
 
 worker() {
   local i=$1 spec parts study name left args kv
@@ -40,7 +42,7 @@ worker() {
   done
 }
 
-for i in $(seq 0 $((n - 1))); do
+for i in $gpus; do
   worker "$i" "$@" > "$root/worker$i.log" 2>&1 &
 done
 wait

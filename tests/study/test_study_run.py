@@ -154,3 +154,31 @@ def test_units_that_run_out_of_memory_are_split(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(engines, "run_vmapped", broken)
   with pytest.raises(RuntimeError, match="INTERNAL"):
     cli.main(args[:3] + ["--out", str(tmp_path / "other")] + args[5:])
+
+
+def test_study_workers_script_shares_one_folder(tmp_path):
+  """scripts/study_workers.sh: two local workers (as on two GPUs) finish every cell of the
+  study once between them, each holding whole conditions."""
+  import subprocess
+  import sys
+  env = dict(os.environ, SCALEOPT_GPUS="0 1", PYTHON=sys.executable,
+             PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  spec = ("studies/bc_tiny@run.steps=3@run.eval_every=3@optimizer.schedule.warmup_steps=1"
+          "@seeds=[0]")
+  r = subprocess.run(["bash", str(ROOT / "scripts" / "study_workers.sh"), "3", str(tmp_path),
+                      spec], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr
+  out = tmp_path / "bc_tiny"
+  done = sorted(p.parent.relative_to(out / "cells").as_posix()
+                for p in out.glob("cells/*/*/result.json"))
+  assert done == ["adamw/lr=0.003,seed=0", "adamw/lr=0.01,seed=0",
+                  "adamw_bc/lr=0.003,seed=0", "adamw_bc/lr=0.01,seed=0"]
+  (token,) = (out / "claims").iterdir()
+  assert sorted(p.name for p in token.iterdir()) == ["0", "1"]  # each condition claimed once
+  logs = [(tmp_path / f"worker{i}.log").read_text() for i in (0, 1)]
+  assert all("cell(s) trained now" in log for log in logs)
+  assert sum(log.count("[study bc_tiny]") for log in logs) == 2  # one unit per condition
+  assert cli.main(["study", "--config", BC_TINY, "--out", str(out), "--report-only",
+                   "--set", "run.steps=3", "--set", "run.eval_every=3",
+                   "--set", "optimizer.schedule.warmup_steps=1", "--set", "seeds=[0]"]) == 0
+  assert len(_rows(out)) == 4
