@@ -202,16 +202,16 @@ def run_unit(st: Study, cells: list[Cell], out: pathlib.Path, stop: _Stop) -> li
   step = latest_checkpoint(dirs[0])
   t0 = time.time()
   if st.engine == "vmap" and engines.vmap_ok(cfgs[0]):
-    res = None
+    res, group = None, study_config.group_key(cfgs[0])
     try:
-      res = engines.run_vmapped(cfgs, dirs, step, stop, key=study_config.group_key(cfgs[0]))
+      res = engines.run_vmapped(cfgs, dirs, step, stop, key=group)
     except Exception as e:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
       if len(cells) == 1 or "RESOURCE_EXHAUSTED" not in str(e):
         raise
     if res is None:  # outside the except block: the failed unit's arrays are freed by now
       half = (len(cells) + 1) // 2
       (out / "at_once").mkdir(exist_ok=True)
-      (out / "at_once" / study_config.group_key(cfgs[0])).write_text(f"{half}\n")
+      (out / "at_once" / group).write_text(f"{half}\n")
       print(f"[study {st.name}] {len(cells)} cells at once do not fit in device memory; "
             f"running {half} and {len(cells) - half}", flush=True)
       return (run_unit(st, cells[:half], out, stop)
@@ -267,20 +267,18 @@ class _Claims:
   def mine(self, todo: list[Cell]) -> list[Cell]:
     """The cells of held conditions; when none are left, claims the first free condition
     with unfinished cells."""
+    own = [c for c in todo if self.index[c.condition] in self.held]
+    if own:
+      return own
     self.dir.mkdir(parents=True, exist_ok=True)
-    while True:
-      own = [c for c in todo if self.index[c.condition] in self.held]
-      if own:
-        return own
-      for k in sorted({self.index[c.condition] for c in todo} - self.held):
-        try:
-          (self.dir / str(k)).mkdir()
-        except FileExistsError:
-          continue
-        self.held.add(k)
-        break
-      else:
-        return []
+    for k in sorted({self.index[c.condition] for c in todo} - self.held):
+      try:
+        (self.dir / str(k)).mkdir()
+      except FileExistsError:
+        continue
+      self.held.add(k)
+      return [c for c in todo if self.index[c.condition] == k]
+    return []
 
 
 def run_study(st: Study, out: pathlib.Path, *, cells: Optional[list[str]] = None,

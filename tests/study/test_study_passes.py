@@ -46,7 +46,7 @@ def _executed(build_kwargs: dict) -> tuple[float, float]:
 
   def batch(i):
     r = np.random.default_rng(i)
-    return {"x": jnp.asarray(r.normal(size=(M * groups, 1, POS, F)), jnp.float32)[:, 0],
+    return {"x": jnp.asarray(r.normal(size=(M * groups, POS, F)), jnp.float32),
             "y": jnp.asarray(r.integers(0, C, (M * groups, POS)))}
 
   @jax.jit
