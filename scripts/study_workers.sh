@@ -12,6 +12,8 @@
 # --report-only` (run it anywhere the folders are). SCALEOPT_GPUS="1 2 3" picks the GPUs (one
 # worker each; e.g. leave GPU 0 to a benchmark running beside the study); SCALEOPT_WORKERS
 # overrides the GPU count (on CPU: the number of local workers, for a dry run).
+# SCALEOPT_CLAIM_TOKEN and SCALEOPT_DEADLINE (epoch seconds) let a second launch join this one
+# (e.g. GPU 0 after a benchmark): same token = shared claims, same deadline.
 set -u
 [ $# -ge 3 ] || { echo "usage: $0 MINUTES ROOT STUDY[@KEY=VALUE...] ..." >&2; exit 2; }
 minutes=$1 root=$2
@@ -20,8 +22,8 @@ py=${PYTHON:-python3}
 n=${SCALEOPT_WORKERS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
 [ "$n" -ge 1 ] || n=1
 gpus=${SCALEOPT_GPUS:-$(seq -s ' ' 0 $((n - 1)))}
-token="launch-$(date +%s)-$$"
-deadline=$(( $(date +%s) + ${minutes%.*} * 60 ))
+token=${SCALEOPT_CLAIM_TOKEN:-launch-$(date +%s)-$$}
+deadline=${SCALEOPT_DEADLINE:-$(( $(date +%s) + ${minutes%.*} * 60 ))}
 mkdir -p "$root"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$root/.jax_cache}
 echo "worker(s) on GPU(s) $gpus, token $token, until $(date -d @$deadline +%T)"
