@@ -202,13 +202,23 @@ def _own_baselines(st, conds: list[Condition], has_grid: bool) -> list[str]:
           "by seed):", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"] + out
 
 
-def summary_md(st, rows: list[dict], conds: list[Condition], n_planned: int) -> str:
+def _count_line(rows: list[dict], planned: set[str]) -> str:
+  """'N of M planned cells finished', naming finished cells outside today's plan (extra seeds
+  at a learning rate that was best before the grid changed): kept in results.csv, not used."""
+  done = {r["id"] for r in rows}
+  line = f"{len(done & planned)} of {len(planned)} planned cells finished"
+  extra = len(done - planned)
+  return line + (f" (and {extra} earlier cell(s) outside today's grid plan, e.g. extra seeds at "
+                 "a former best lr: in results.csv, not used below)" if extra else "")
+
+
+def summary_md(st, rows: list[dict], conds: list[Condition], planned: set[str]) -> str:
   cards = sorted({r.get("card") for r in rows if r.get("card")})
   base = {c.grid: c for c in conds if c.arm == st.baseline}
   by = {(c.arm, c.grid): c for c in conds}
   has_grid = bool(st.grid)
   lines = [f"# Study `{st.name}`", "",
-           f"{len(rows)} of {n_planned} planned cells finished; card(s): {', '.join(cards) or '-'}.",
+           _count_line(rows, planned) + f"; card(s): {', '.join(cards) or '-'}.",
            "Learning rate chosen per arm (and grid point) on the `val` half of the held-out "
            "split (lowest mean over the search seeds "
            f"{st.seeds}); every number below is the `test` half, at that learning rate. "
@@ -346,11 +356,12 @@ def write_report(st, out: pathlib.Path, plots: bool = True) -> list[Condition]:
   out = pathlib.Path(out)
   rows = read_rows(out)
   conds = analyse(st, rows)
-  n_planned = len(st.search_cells()) + sum(
-      len(st.best_lr_cells(c.arm, c.grid, c.best_lr if c.best_lr is not None else st.lrs(c.arm)[0]))
-      for c in conds)
+  planned = {c.id for c in st.search_cells()} | {
+      c.id for k in conds
+      for c in st.best_lr_cells(k.arm, k.grid, k.best_lr if k.best_lr is not None
+                                else st.lrs(k.arm)[0])}
   write_csv(st, rows, out / "results.csv")
-  (out / "summary.md").write_text(summary_md(st, rows, conds, n_planned))
+  (out / "summary.md").write_text(summary_md(st, rows, conds, planned))
   if plots and rows:
     plot(st, rows, conds, out)
   return conds

@@ -79,6 +79,14 @@ def test_selection_on_val_paired_differences_and_stage_two(tmp_path):
     rows = list(csv.DictReader(fh))
   assert len(rows) == len(st.search_cells()) + 3
   assert {r["stage"] for r in rows} == {"1", "2"}
+  n = len(st.search_cells()) + 3
+  assert f"{n} of {n} planned cells finished;" in summary
+  # a seed at a learning rate that is no longer the best (the grid changed): counted apart
+  stale = next(c for c in st.best_lr_cells("adamw", (), 3e-3) if c.seed == 2)
+  _write(tmp_path, st, stale, 9.0, 9.0, passes["adamw"])
+  report.write_report(st, tmp_path, plots=False)
+  summary = (tmp_path / "summary.md").read_text()
+  assert f"{n} of {n} planned cells finished (and 1 earlier cell(s) outside" in summary
 
 
 def test_grid_study_recovers_planted_effects(tmp_path):
