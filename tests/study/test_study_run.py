@@ -157,23 +157,30 @@ def test_units_that_run_out_of_memory_are_split(tmp_path, monkeypatch, capsys):
 
 
 def test_study_workers_script_shares_one_folder(tmp_path):
-  """scripts/study_workers.sh: two local workers (as on two GPUs) finish every cell of the
-  study once between them, each holding whole conditions."""
+  """scripts/study_workers.sh: two workers (as on two GPUs), started by two launches that join
+  through SCALEOPT_CLAIM_TOKEN / SCALEOPT_DEADLINE, finish every cell of the study once between
+  them, each holding whole conditions."""
   import subprocess
   import sys
-  env = dict(os.environ, SCALEOPT_GPUS="0 1", PYTHON=sys.executable,
-             PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  import time
+  env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+             SCALEOPT_CLAIM_TOKEN="joint", SCALEOPT_DEADLINE=str(int(time.time()) + 300))
   spec = ("studies/bc_tiny@run.steps=3@run.eval_every=3@optimizer.schedule.warmup_steps=1"
           "@seeds=[0]")
-  r = subprocess.run(["bash", str(ROOT / "scripts" / "study_workers.sh"), "3", str(tmp_path),
-                      spec], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert r.returncode == 0, r.stderr
+  procs = [subprocess.Popen(["bash", str(ROOT / "scripts" / "study_workers.sh"), "3",
+                             str(tmp_path), spec], env=dict(env, SCALEOPT_GPUS=g), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for g in ("0", "1")]
+  for p in procs:
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err
   out = tmp_path / "bc_tiny"
   done = sorted(p.parent.relative_to(out / "cells").as_posix()
                 for p in out.glob("cells/*/*/result.json"))
   assert done == ["adamw/lr=0.003,seed=0", "adamw/lr=0.01,seed=0",
                   "adamw_bc/lr=0.003,seed=0", "adamw_bc/lr=0.01,seed=0"]
-  (token,) = (out / "claims").iterdir()
+  (token,) = (out / "claims").iterdir()  # one shared token
+  assert token.name == "joint"
   assert sorted(p.name for p in token.iterdir()) == ["0", "1"]  # each condition claimed once
   logs = [(tmp_path / f"worker{i}.log").read_text() for i in (0, 1)]
   assert all("cell(s) trained now" in log for log in logs)
