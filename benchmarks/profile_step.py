@@ -1,7 +1,12 @@
 """Where the train step's GPU time goes: a profiler trace of a few steps, summed by kernel kind.
 
   PYTHONPATH=. python benchmarks/profile_step.py [--preset gpt2-small --batch 32 --micro 1
-      --unroll 12 --steps 3 --out DIR]
+      --unroll 12 --steps 3 --out DIR] [--set KEY=VALUE ...]
+
+``--set`` takes the training config's dotted overrides, e.g. ``--set optimizer.name=adamw_bc
+--set optimizer.extra.loo_passes=1`` or ``--set optimizer.name=shampoo`` (the step then also
+holds that optimizer's statistics; a root step of Shampoo is among the recorded steps only if
+``--steps`` reaches it).
 
 Builds the training system's jitted step (``scaleopt.train``: collector, AdamW, skip guard,
 metrics) for the preset, runs warm-up steps on a fixed batch, then records ``--steps`` steps
@@ -26,6 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from scaleopt.models import accounting
 from scaleopt.train import config as C
 from scaleopt.train import loop
 
@@ -90,6 +96,8 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", type=int, default=5)
   ap.add_argument("--unfused", action="store_true", help="plain float32-logits loss")
   ap.add_argument("--out", default=None, help="directory for the trace (default: temporary)")
+  ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                  help="training-config override, e.g. optimizer.name=shampoo (repeatable)")
   args = ap.parse_args(argv)
   raw = {"run": {"steps": 1, "progress": False, "plot": False, "tensorboard": False},
          "model": {"preset": args.preset, "dtype": "bfloat16", "max_seq_len": args.seq,
@@ -97,7 +105,12 @@ def main(argv=None) -> int:
          "data": {"source": "embedded", "seq_len": args.seq, "batch_size": args.batch,
                   "microbatches": args.micro},
          "optimizer": {"name": "adamw"}, "mesh": {"data": -1}}
-  s = loop.setup(C.from_dict(raw))
+  try:
+    cfg = C.from_dict(C.apply_overrides(raw, args.set))
+  except (C.ConfigError, ValueError) as e:
+    print(f"profile_step: {e}", file=sys.stderr)
+    return 2
+  s = loop.setup(cfg)
   fns = loop.compile_fns(s)
   state = fns.init()
   tokens = jax.random.randint(jax.random.key(0), (args.micro, args.batch // args.micro,
@@ -120,8 +133,12 @@ def main(argv=None) -> int:
   dev = jax.devices()[0]
   print(f"# {dev.device_kind} x {jax.device_count()}, jax {jax.__version__}, {args.preset} "
         f"{args.batch} x {args.seq}, {args.micro} microbatch(es), fused loss "
-        f"{not args.unfused}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-  print(f"# step time without the profiler: {1e3 * wall:.1f} ms")
+        f"{not args.unfused}, {' '.join(args.set) or 'adamw'}, "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+  peak = loop.peak_flops(dev, None)
+  util = (f", MFU {100 * accounting.mfu(args.batch * args.seq / wall, s.model.cfg, args.seq, peak):.1f}%"
+          if peak else "")
+  print(f"# step time without the profiler: {1e3 * wall:.1f} ms{util}")
   if not files:
     print("# no perfetto trace was written")
     return 1
