@@ -44,8 +44,8 @@ and preset options (same run, same card). Further columns:
   vs adamw step       ms/step over the fastest ``adamw`` row (any mesh and microbatching) with
                       the same GPU count, preset, sequence length and global batch
   vs adamw token      the same per executed token (tokens through forward+backward: the
-                      step's groups x batch x sweeps; two-pass leave-one-out sweeps its batch
-                      twice (once with ``loo_passes=1``),
+                      step's groups x batch x sweeps; leave-one-out sweeps its batch once
+                      (twice with ``loo_passes=2``),
                       the A/B layout draws two groups of ``batch`` sequences per step)
   same micro          per executed token over the ``adamw`` row with the same mesh, global
                       tokens per step and microbatches per sweep (same microbatch size):

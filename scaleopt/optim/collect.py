@@ -30,11 +30,12 @@ Layouts (who is numerator, who is preconditioner):
 * ``symmetric``: the step's m microbatches in halves A and B, both with full statistics (same
   examples and compute as std).
 * ``loo``: leave-one-out; the BC states' fold functions run on every g_r given g_full; the
-  collector averages their terms and Welfords their denominators. Two passes (the default,
-  ``loo_passes=2``): pass 1 computes g_full, pass 2 recomputes every g_r (memory independent
-  of m). One pass (``loo_passes=1``): the scan that accumulates g_full also stores every g_r
-  (stacked, float32: m x params x 4 bytes more, ~4 GB for GPT-2 small at m = 8) and the folds
-  scan over the stored gradients (no second forward/backward).
+  collector averages their terms and Welfords their denominators. One pass (the default,
+  ``loo_passes=1``): the scan that accumulates g_full also stores every g_r (stacked,
+  float32: m x params x 4 bytes more, ~4 GB for GPT-2 small at m = 8) and the folds scan over
+  the stored gradients (no second forward/backward). Two passes (``loo_passes=2``, for
+  memory): pass 1 computes g_full, pass 2 recomputes every g_r (memory independent of m).
+  Both give the same statistics (bit for bit on CPU).
 
 Microbatch gradients (``vmap_microbatches``): by default every group is a ``lax.scan`` of one
 forward/backward per microbatch (memory of one microbatch). With ``vmap_microbatches=True`` a
@@ -167,7 +168,7 @@ class CollectorSpec:
     estimator_options: static settings of the estimator, a tuple of (name, value) pairs.
     clip: ``"none"``, ``"consistent"`` or ``"numerator"`` (see the module docstring).
     stateful: the statistics read the optimizer state (LOO folds, post-EMA denominators).
-    loo_passes: 1 or 2 sweeps for the ``loo`` layout (None: no preference, 2).
+    loo_passes: 1 or 2 sweeps for the ``loo`` layout (None: no preference, 1).
     vmap_microbatches: per-microbatch gradients of a group by ``jax.vmap`` instead of
       ``lax.scan`` (None: no preference, scan).
   """
@@ -208,8 +209,9 @@ class CollectorSpec:
 
   @property
   def loo_one_pass(self) -> bool:
-    """Leave-one-out folds on stored gradients (``loo_passes=1``, or vmapped microbatches)."""
-    return self.loo_passes == 1 or self.vmap
+    """Leave-one-out folds on stored gradients: unless ``loo_passes=2`` (the default is one
+    pass; vmapped microbatches always store them)."""
+    return self.loo_passes != 2 or self.vmap
 
   @property
   def passes_per_step(self) -> float:
@@ -638,9 +640,9 @@ def collector_options(*, loo_passes: Optional[int] = None,
   carries the choice; chain it with a bias-corrected optimizer).
 
   Args:
-    loo_passes: 2 (default): the leave-one-out folds recompute every g_r in a second sweep
-      (memory independent of m); 1: the first sweep stores the m gradients (m x params x 4
-      bytes more) and the folds run on them (half the forward/backward work).
+    loo_passes: 1 (default): the first sweep stores the m gradients (m x params x 4 bytes
+      more) and the leave-one-out folds run on them (half the forward/backward work of two
+      passes); 2: the folds recompute every g_r in a second sweep (memory independent of m).
     vmap_microbatches: True: each group's m gradients from one ``jax.vmap`` over the
       microbatch axis (memory: the whole group's activations plus m x params x 4 bytes);
       False (default): a ``lax.scan``, one microbatch at a time.

@@ -138,7 +138,8 @@ def test_two_group_layouts(setup, layout):
   np.testing.assert_allclose(float(st.loss), np.concatenate([loss_a, loss_b]).mean(), rtol=1e-5)
 
 
-def test_loo_layout_runs_fold_fn_on_every_microbatch(setup):
+@pytest.mark.parametrize("passes", [None, 2], ids=["default_one_pass", "two_pass"])
+def test_loo_layout_runs_fold_fn_on_every_microbatch(setup, passes):
   params, mbs, (g, _, _) = setup
   m = 8
 
@@ -148,7 +149,7 @@ def test_loo_layout_runs_fold_fn_on_every_microbatch(setup):
     return {"loo": g_mr}, jax.tree.map(lambda x: x * x, g_mr)
 
   so.register_bc_state(LooNeeds, StateHooks(fold_fn=lambda state, hp: fold_fn))
-  state = LooNeeds(Static(CollectorSpec(layout="loo")), {})
+  state = LooNeeds(Static(CollectorSpec(layout="loo", loo_passes=passes)), {})
   st = jax.jit(lambda p, b: so.collect(mlp_loss, p, b, state))(params, mbs)
   full = jax.tree.map(lambda a: a.mean(0), g)
   loo = jax.tree.map(lambda a, f: (m * f[None] - a) / (m - 1), g, full)  # [m, ...]

@@ -1,6 +1,7 @@
-"""The collector's microbatching options against its default scan: one-pass leave-one-out
-(``loo_passes=1``) and vmapped microbatch gradients (``vmap_microbatches=True``) must give the
-same statistics and the same updates, per coordinate, and cost the expected memory.
+"""The collector's microbatching options against the two-pass scan: one-pass leave-one-out
+(``loo_passes=1``, the default) and vmapped microbatch gradients (``vmap_microbatches=True``)
+must give the same statistics and the same updates, per coordinate, and cost the expected
+memory.
 
 Tolerance. The options change where the per-microbatch gradients are computed (inside the
 scan, stored from the first sweep, or from one batched ``vmap``), not the arithmetic of the
@@ -80,13 +81,14 @@ def adamw_bc_chain(opts, **bc):
 @functools.cache
 def two_pass_loo():
   params, mbs, loss = mlp()
-  return run(adamw_bc_chain({}), params, mbs, loss)
+  return run(adamw_bc_chain(dict(loo_passes=2)), params, mbs, loss)
 
 
 # ----------------------------------------------------------------------------- adamw_bc
 
-@pytest.mark.parametrize("opts,rtol", [(dict(loo_passes=1), 0.0),
-                                       (dict(vmap_microbatches=True), 1e-4)])
+@pytest.mark.parametrize("opts,rtol", [({}, 0.0), (dict(loo_passes=1), 0.0),
+                                       (dict(vmap_microbatches=True), 1e-4)],
+                         ids=["default", "one_pass", "vmap"])
 def test_loo_one_pass_and_vmap_equal_the_two_pass_scan(opts, rtol):
   params, mbs, loss = mlp()
   ref, p_ref = two_pass_loo()
@@ -183,8 +185,10 @@ def test_compiled_memory_grows_by_m_gradient_copies():
     return f.lower(params, mbs, st).compile().memory_analysis().temp_size_in_bytes
 
   extra = m * 2 * d * d * 4
-  two, one, vm = temp({}), temp(dict(loo_passes=1)), temp(dict(vmap_microbatches=True))
+  two, one = temp(dict(loo_passes=2)), temp(dict(loo_passes=1))
+  vm = temp(dict(vmap_microbatches=True))
   assert 0.95 * extra <= one - two <= 1.1 * extra, (two, one, extra)
+  assert temp({}) == one  # the default stores the m gradients (one pass)
   assert 0.95 * extra <= vm - two <= 1.1 * extra, (two, vm, extra)
   # A/B: two groups of m/2, each stacked (m/2 to m copies alive, as XLA schedules them)
   ab, ab_vm = temp({}, crossfit="ab"), temp(dict(vmap_microbatches=True), crossfit="ab")
@@ -196,8 +200,9 @@ def test_compiled_memory_grows_by_m_gradient_copies():
 def test_options_set_the_spec_and_the_sweep_accounting():
   base = dict(name="adamw_bc", learning_rate=1e-3)
   spec = lambda **ex: so.build({**base, "extra": ex})[1]
-  assert spec().passes_per_step == 2.0 and not spec().vmap
+  assert spec().passes_per_step == 1.0 and spec().loo_one_pass and not spec().vmap
   assert spec(loo_passes=1).passes_per_step == 1.0
+  assert spec(loo_passes=2).passes_per_step == 2.0 and not spec(loo_passes=2).loo_one_pass
   assert spec(vmap_microbatches=True).passes_per_step == 1.0 and spec(vmap_microbatches=True).vmap
   assert spec(mode="full", crossfit="ab", vmap_microbatches=True).passes_per_step == 1.0
   assert bridge.passes_per_step(spec(loo_passes=1)) == 1.0
@@ -209,7 +214,8 @@ def test_options_set_the_spec_and_the_sweep_accounting():
     data = Data
 
   assert engines.gradient_passes(Cfg, spec(loo_passes=1), 10) == 160.0
-  assert engines.gradient_passes(Cfg, spec(), 10) == 320.0
+  assert engines.gradient_passes(Cfg, spec(), 10) == 160.0
+  assert engines.gradient_passes(Cfg, spec(loo_passes=2), 10) == 320.0
   sh = so.build({"name": "shampoo_bc", "learning_rate": 1e-3,
                  "extra": {"vmap_microbatches": True}})[1]
   assert sh.vmap and sh.estimator == "shampoo"

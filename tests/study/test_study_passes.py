@@ -26,11 +26,10 @@ class _Cfg:
   data = _Data
 
 
-def _executed(build_kwargs: dict) -> tuple[float, float]:
+def _executed(name: str, extra: dict) -> tuple[float, float]:
   rng = np.random.default_rng(0)
   params = {"w": jnp.asarray(rng.normal(0, 0.5, (F, C)), jnp.float32)}
-  tx, spec = so.build({"name": "sophia_bc" if build_kwargs else "sophia",
-                       "learning_rate": 1e-2, "extra": {"k": K, **build_kwargs}})
+  tx, spec = so.build({"name": name, "learning_rate": 1e-2, "extra": extra})
   groups = spec.num_groups if spec.layout == "ab" else 1
   calls = []
 
@@ -64,11 +63,15 @@ def _executed(build_kwargs: dict) -> tuple[float, float]:
   return float(len(calls)), engines.gradient_passes(_Cfg, spec, STEPS)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {},                                       # std Sophia: the GNB pass is one more sweep
-    {"mode": "full", "crossfit": "ab"},       # A/B: the GNB pass takes group B's place
-    {"mode": "full", "crossfit": "rolling_b"},
-], ids=["std", "ab", "rolling_b"])
-def test_gradient_passes_are_the_passes_executed(kwargs):
-  executed, reported = _executed(kwargs)
+@pytest.mark.parametrize("name,extra", [
+    ("sophia", {"k": K}),                     # std Sophia: the GNB pass is one more sweep
+    ("sophia_bc", {"k": K, "mode": "full", "crossfit": "ab"}),  # GNB takes group B's place
+    ("sophia_bc", {"k": K, "mode": "full", "crossfit": "rolling_b"}),
+    ("adamw_bc", {}),                         # LOO, default: one sweep, folds on stored g_r
+    ("adamw_bc", {"loo_passes": 2}),          # LOO, two sweeps
+], ids=["sophia_std", "sophia_ab", "sophia_rolling_b", "loo_default", "loo_two_pass"])
+def test_gradient_passes_are_the_passes_executed(name, extra):
+  executed, reported = _executed(name, extra)
   assert reported == executed
+  if name == "adamw_bc":  # the LOO sweeps themselves: M microbatches, once or twice a step
+    assert executed == STEPS * M * extra.get("loo_passes", 1)
