@@ -114,6 +114,17 @@ def test_std_update_rule_matches_float64_numpy(block, graft):
       np.testing.assert_allclose(np.asarray(th[k]), ref[t][k], rtol=1e-4, atol=1e-4)
 
 
+def test_default_blocks_are_512():
+  """The default splits gpt2-small's 768 x 2048 MLP matrix into 2 x 4 blocks of 384 x 512 (at
+  block 1024 it would be 1 x 2 blocks of 768 x 1024); shapes only, nothing is allocated."""
+  params = {"w": jax.ShapeDtypeStruct((768, 2048), jnp.float32)}
+  got = jax.eval_shape(S.scale_by_shampoo().init, params).factors["0"]
+  want = jax.eval_shape(S.scale_by_shampoo(block_size=512).init, params).factors["0"]
+  assert got.L.shape == want.L.shape == (8, 384, 384) and got.R.shape == (8, 512, 512)
+  assert jax.eval_shape(S.scale_by_shampoo(block_size=1024).init,
+                        params).factors["0"].L.shape == (2, 768, 768)
+
+
 def test_block_size_at_least_dims_equals_unblocked():
   """block_size >= every dim gives one block per tensor: identical to a huge block size, and a
   smaller block size changes the result (so the comparison can fail)."""
