@@ -34,6 +34,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 LOGICAL_TO_MESH = {"batch": ("data", "fsdp"), "fsdp": ("fsdp",), "tensor": ("tensor",)}
 _MESH: contextvars.ContextVar[Optional[Mesh]] = contextvars.ContextVar("scaleopt_mesh",
                                                                        default=None)
+_FREED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("scaleopt_freed_axes",
+                                                                         default=())
 
 
 @contextlib.contextmanager
@@ -45,6 +47,18 @@ def constraints(mesh: Optional[Mesh]) -> Iterator[None]:
     yield
   finally:
     _MESH.reset(token)
+
+
+@contextlib.contextmanager
+def microbatch_axis(axis: str) -> Iterator[None]:
+  """Within this context the logical ``batch`` axis leaves the mesh axis ``axis`` out: it
+  belongs to an enclosing ``jax.vmap(..., spmd_axis_name=axis)`` over microbatches (each
+  device holds whole microbatches; the rows of one are split over the remaining batch axes)."""
+  token = _FREED.set(_FREED.get() + (axis,))
+  try:
+    yield
+  finally:
+    _FREED.reset(token)
 
 
 def current_mesh() -> Optional[Mesh]:
@@ -61,9 +75,10 @@ def mesh_spec(mesh: Mesh, logical: Sequence[Optional[str]], shape: Sequence[int]
   Each logical name maps to its mesh axes (``LOGICAL_TO_MESH``) of size > 1; if their product
   does not divide the dimension, the dimension stays replicated.
   """
-  out = []
+  out, freed = [], _FREED.get()
   for name, dim in zip(logical, shape):
-    axes = tuple(a for a in LOGICAL_TO_MESH.get(name, ()) if _axis_size(mesh, a) > 1)
+    axes = tuple(a for a in LOGICAL_TO_MESH.get(name, ())
+                 if _axis_size(mesh, a) > 1 and a not in freed)
     size = 1
     for a in axes:
       size *= _axis_size(mesh, a)

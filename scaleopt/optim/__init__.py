@@ -7,7 +7,8 @@ registry (``register_optimizer``).
 """
 
 from scaleopt.optim import delta, gnb
-from scaleopt.optim.collect import (BCStats, CollectorSpec, GroupStats, LOOStats, Static,
+from scaleopt.optim.collect import (BCStats, CollectorSpec, GroupStats, LOOStats,
+                                    MicrobatchAxis, Static,
                                     StateHooks, clip_by_global_norm, collect, collector_options,
                                     collector_spec,
                                     find_bc_states, register_bc_state, register_estimator,
@@ -21,7 +22,8 @@ from scaleopt.optim.schedules import ScheduleConfig, make_schedule
 from scaleopt.optim.build import OptimizerConfig, build, muon, names, register_optimizer
 
 __all__ = [
-    "BCStats", "CollectorSpec", "GroupStats", "LOOStats", "Static", "StateHooks",
+    "BCStats", "CollectorSpec", "GroupStats", "LOOStats", "MicrobatchAxis", "Static",
+    "StateHooks",
     "clip_by_global_norm", "collect", "collector_options", "collector_spec", "find_bc_states", "register_bc_state",
     "register_estimator", "schedule_count", "skipped_tensors", "value_and_grad_fn",
     "ScaleByAdamBCState", "adamw_bc", "scale_by_adam_bc",

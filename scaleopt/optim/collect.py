@@ -54,8 +54,10 @@ and Adam. ``numerator_only=True`` reproduces the reference code (only the numera
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, ContextManager, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +144,25 @@ def welford_add(w: Welford, x: PyTree) -> Welford:
   delta = jax.tree.map(lambda xi, mu: xi - mu, x, w.mean)
   mean = jax.tree.map(lambda mu, d: mu + d / n, w.mean, delta)
   m2 = jax.tree.map(lambda s, d, xi, mu: s + d * (xi - mu), w.m2, delta, x, mean)
+  return Welford(n, mean, m2)
+
+
+def welford_of(xs: PyTree) -> Welford:
+  """(n, mean, M2) of the stacked values ``xs`` (leading axis n) in one reduction:
+  mean = (1/n) sum_j x_j, M2 = sum_j (x_j - mean)^2 (the streaming result up to rounding)."""
+  n = jax.tree.leaves(xs)[0].shape[0]
+  mean = jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32), axis=0), xs)
+  m2 = jax.tree.map(lambda x, mu: jnp.sum(jnp.square(x - mu), axis=0), xs, mean)
+  return Welford(jnp.float32(n), mean, m2)
+
+
+def welford_merge(a: Welford, b: Welford) -> Welford:
+  """Chan et al.'s merge: n = n_a + n_b, d = mean_b - mean_a, mean = mean_a + d n_b / n,
+  M2 = M2_a + M2_b + d^2 n_a n_b / n."""
+  n = a.n + b.n
+  d = jax.tree.map(lambda x, y: y - x, a.mean, b.mean)
+  mean = jax.tree.map(lambda mu, di: mu + di * (b.n / n), a.mean, d)
+  m2 = jax.tree.map(lambda x, y, di: x + y + di * di * (a.n * b.n / n), a.m2, b.m2, d)
   return Welford(n, mean, m2)
 
 
@@ -382,21 +403,74 @@ def _zeros_like_out(fn: Callable, *args) -> PyTree:
   return jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), jax.eval_shape(fn, *args))
 
 
+class MicrobatchAxis(NamedTuple):
+  """Where vmapped microbatches live on a device mesh (``collect(..., microbatch_axis=)``).
+
+  With ``vmap_microbatches`` and m divisible by ``size``, the microbatch axis is split over the
+  mesh axis ``name`` (``jax.vmap``'s ``spmd_axis_name``): each device computes the gradients
+  of its own m / size microbatches, nothing is communicated in the forward and backward
+  passes, and the statistics over microbatches are sums over the split axis (one all-reduce
+  each) instead of a scan over gathered gradients. ``context()`` is entered while the
+  microbatch function traces (the model's own constraints then leave ``name`` to the
+  microbatch axis). Where m is not divisible the microbatches are vmapped unsplit.
+  """
+  name: str
+  size: int
+  context: Callable[[], ContextManager] = contextlib.nullcontext
+  mesh: Any = None  # with a mesh, the stacked outputs are pinned to the split axis
+
+  def pin(self, tree: PyTree) -> PyTree:
+    """Stacked per-microbatch outputs with their leading axis on ``name`` (other axes free)."""
+    if self.mesh is None:
+      return tree
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    sh = lambda x: NamedSharding(self.mesh, P(self.name, *[P.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sh(x)), tree)
+
+
+_AXIS: contextvars.ContextVar[Optional[MicrobatchAxis]] = contextvars.ContextVar(
+    "scaleopt_microbatch_axis", default=None)
+
+
+def _split_axis(m: int) -> Optional[MicrobatchAxis]:
+  """The active microbatch axis if it splits ``m`` microbatches evenly (and has > 1 device)."""
+  ax = _AXIS.get()
+  return ax if ax is not None and ax.size > 1 and m % ax.size == 0 else None
+
+
+def _vmap(fn: Callable, m: int) -> Callable:
+  ax = _split_axis(m)
+  if ax is None:
+    return jax.vmap(fn)
+
+  def traced(x):
+    with ax.context():
+      return fn(x)
+
+  return lambda xs: ax.pin(jax.vmap(traced, spmd_axis_name=ax.name)(ax.pin(xs)))
+
+
 def fold_microbatches(fn: Callable, step: Callable, carry0, xs: PyTree, *, vmap: bool = False,
-                      keep: Optional[Callable] = None):
+                      keep: Optional[Callable] = None, reduce: Optional[Callable] = None):
   """carry_m of carry_j = step(carry_{j-1}, fn(x_j)) over the leading axis of ``xs``.
 
   Scan (default): ``fn`` runs inside a ``lax.scan``, one microbatch at a time (memory of one
   microbatch). ``vmap=True``: ``jax.vmap(fn)`` over all of ``xs`` at once (one batched call),
   then the scan runs ``step`` over its stacked outputs in the same order, so both give the same
-  carry up to the rounding of the batched ``fn``.
+  carry up to the rounding of the batched ``fn``. Where a ``MicrobatchAxis`` splits the
+  microbatches over devices, ``reduce(carry0, stacked outputs)`` (the same carry by sums over
+  the split axis) replaces that scan, which would gather every device's outputs.
 
   Returns:
     (carry, kept): ``kept`` stacks ``keep(fn(x_j))`` over j (None without ``keep``).
   """
   if vmap:
-    ys = jax.vmap(fn)(xs)
-    carry, _ = jax.lax.scan(lambda c, y: (step(c, y), None), carry0, ys)
+    m = num_microbatches(xs)
+    ys = _vmap(fn, m)(xs)
+    if reduce is not None and _split_axis(m) is not None:
+      carry = reduce(carry0, ys)
+    else:
+      carry, _ = jax.lax.scan(lambda c, y: (step(c, y), None), carry0, ys)
     return carry, (keep(ys) if keep else None)
 
   def body(c, x):
@@ -404,6 +478,11 @@ def fold_microbatches(fn: Callable, step: Callable, carry0, xs: PyTree, *, vmap:
     return step(c, y), (keep(y) if keep else None)
 
   return jax.lax.scan(body, carry0, xs)
+
+
+def sum0(t: PyTree) -> PyTree:
+  """Sum over the leading (microbatch) axis of every leaf."""
+  return jax.tree.map(lambda x: jnp.sum(x, axis=0), t)
 
 
 def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional[str] = None,
@@ -439,7 +518,18 @@ def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional
       c["w"] = welford_add(c["w"], x_fn(g))
     return c
 
-  c, kept = fold_microbatches(fn, step, carry0, mbs, vmap=vmap,
+  def reduce(c, ys):  # ``step`` over the stacked outputs, as sums over the microbatch axis
+    loss, aux, g = ys
+    add = lambda t, u: jax.tree.map(jnp.add, t, u)
+    c = dict(c, g=add(c["g"], sum0(g)), loss=c["loss"] + jnp.sum(loss),
+             aux=add(c["aux"], sum0(aux)))
+    if need_sq:
+      c["sq"] = add(c["sq"], sum0(jax.tree.map(jnp.square, g)))
+    if var_of:
+      c["w"] = welford_merge(c["w"], welford_of(jax.vmap(x_fn)(g)))
+    return c
+
+  c, kept = fold_microbatches(fn, step, carry0, mbs, vmap=vmap, reduce=reduce,
                               keep=(lambda y: y[2]) if keep_grads else None)
   mean = lambda t: jax.tree.map(lambda s: s / m, t)
   var = welford_var_of_mean(c["w"], m) if var_of else None
@@ -494,8 +584,14 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
     terms, d = fold(jax.tree.map(lambda x: c * x, g_r))
     return jax.tree.map(jnp.add, t, terms), welford_add(w, d)
 
+  def reduce(carry, g_rs):  # the folds of microbatches split over devices: sums, no scan
+    t, w = carry
+    terms, d = _vmap(lambda g_r: fold(jax.tree.map(lambda x: c * x, g_r)), m)(g_rs)
+    return jax.tree.map(jnp.add, t, sum0(terms)), welford_merge(w, welford_of(d))
+
   (t, w), _ = fold_microbatches(grad_of, step, (terms0, welford_init(d0)),
-                                g_all[0] if one else mbs)
+                                g_all[0] if one else mbs, vmap=one and spec.vmap,
+                                reduce=reduce)
   loo = LOOStats(mean=jax.tree.map(lambda s: s / m, t),
                  var=jax.tree.map(lambda s: jnp.maximum(s / (m - 1), 0.0), w.m2))
   return BCStats(g_full, g_full, None, None, loo, loss, aux, c)
@@ -552,7 +648,8 @@ def _layout(grad_fn, params, mbs, spec, found, b_mbs, max_norm) -> BCStats:
 
 def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, opt_state: PyTree, *,
             key: Optional[jax.Array] = None, logits_fn: Optional[Callable] = None,
-            b_microbatches: PyTree = None) -> BCStats:
+            b_microbatches: PyTree = None,
+            microbatch_axis: Optional[MicrobatchAxis] = None) -> BCStats:
   """Scans ``loss_fn`` over microbatches and returns what the chain's transforms need.
 
   Args:
@@ -563,6 +660,8 @@ def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, opt_state: Py
     key: PRNG key (Sophia's sampled labels or Rademacher vectors).
     logits_fn: ``(params, mb) -> (logits, mask)`` for Sophia's GNB estimator.
     b_microbatches: group B for ``rolling_b`` layouts (step t+1's group A).
+    microbatch_axis: with ``vmap_microbatches``, the mesh axis that splits the microbatches
+      over devices (``MicrobatchAxis``); ignored by the scan.
 
   Returns:
     BCStats, float32. Call ``tx.update(stats.numerator, opt_state, params, bc_stats=stats)``.
@@ -577,6 +676,16 @@ def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, opt_state: Py
                      "the k-step mean gradient and one mini-step's statistics; pass all k*m "
                      "microbatches of the step to collect instead (they are accumulated there)")
   max_norm = _clip_of(found, spec)
+  token = _AXIS.set(microbatch_axis if spec.vmap else None)
+  try:
+    return _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
+                    b_microbatches)
+  finally:
+    _AXIS.reset(token)
+
+
+def _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
+             b_microbatches) -> BCStats:
   if spec.estimator is not None:
     return _ESTIMATORS[spec.estimator](loss_fn, params, microbatches, spec, found, key=key,
                                        logits_fn=logits_fn, b_microbatches=b_microbatches,

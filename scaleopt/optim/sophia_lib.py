@@ -49,8 +49,9 @@ from scaleopt.optim import delta, gnb
 from scaleopt.optim.adam_bc import check_choice, keep_finite, tmap, unzip
 from scaleopt.optim.collect import (BCStats, CollectorSpec, Static, align, clip_factor,
                                     fold_microbatches, refresh_groups, register_bc_state,
-                                    register_estimator, value_and_grad_fn, welford_add,
-                                    welford_init, welford_var_of_mean)
+                                    register_estimator, sum0, value_and_grad_fn, welford_add,
+                                    welford_init, welford_merge, welford_of,
+                                    welford_var_of_mean)
 
 PyTree = Any
 
@@ -148,7 +149,13 @@ def _curvature_pass(loss_fn, logits_fn, params, mbs, key, estimator, statistic, 
       c = dict(c, n=c["n"] + n, g=jax.tree.map(jnp.add, c["g"], g))
     return dict(c, w=welford_add(c["w"], x))
 
-  c, _ = fold_microbatches(fn, step, carry0, (mbs, keys), vmap=vmap)
+  def reduce(c, ys):  # ``step`` over stacked estimates as sums (microbatches split over devices)
+    g, x, n = ys
+    if estimator == "gnb":
+      c = dict(c, n=c["n"] + jnp.sum(n), g=jax.tree.map(jnp.add, c["g"], sum0(g)))
+    return dict(c, w=welford_merge(c["w"], welford_of(x)))
+
+  c, _ = fold_microbatches(fn, step, carry0, (mbs, keys), vmap=vmap, reduce=reduce)
   if estimator == "gnb" and statistic == "sq_of_mean":
     scale = c["n"] if weight != "none" else 1.0
     h = jax.tree.map(lambda s: scale * (s / m) ** 2, c["g"])

@@ -76,13 +76,19 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
     pin = lambda t, params: mesh_lib.pin_to_params(t, params, param_sh)
     on_slices = lambda t: jax.lax.with_sharding_constraint(t, update_sh)
 
+  mesh = getattr(model, "mesh", None)
+  mb_axis = None  # vmapped microbatches: each data-parallel device computes its own
+  if mesh is not None and mesh.shape.get("data", 1) > 1:
+    mb_axis = optim.MicrobatchAxis("data", int(mesh.shape["data"]),
+                                   lambda: models.sharding.microbatch_axis("data"), mesh)
+
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng, key = jax.random.split(state.rng)
-    with models.sharding.constraints(getattr(model, "mesh", None)):  # optimizer work on the mesh
+    with models.sharding.constraints(mesh):  # optimizer work on the mesh
       stats = optim.collect(model.loss_fn, state.params, batch["tokens"],
                             pin(state.opt_state, state.params),
                             key=key, logits_fn=model.logits_fn,
-                            b_microbatches=batch.get("b_tokens"))
+                            b_microbatches=batch.get("b_tokens"), microbatch_axis=mb_axis)
       stats = pin(stats, state.params)
       params = on_slices(pin(state.params, state.params))
       updates, opt_state = tx.update(on_slices(stats.numerator), state.opt_state, params,

@@ -1,0 +1,99 @@
+"""Vmapped microbatches on a data-parallel mesh: each device computes its own microbatches.
+
+With ``vmap_microbatches`` and m divisible by the mesh's ``data`` size, the collector splits the
+microbatch axis over ``data`` (``optim.MicrobatchAxis``): the forward and backward passes
+communicate nothing, and the per-microbatch statistics are sums over the split axis. On 8
+simulated CPU devices the run must equal the scan over the same microbatches per coordinate
+(parameters after three steps), keep every collective out of loops, and all-reduce a fixed
+number of parameter-sized sums (at most 4, e.g. the gradient, the fold terms and their
+denominators for leave-one-out; m = 8 here) instead of one gradient per microbatch. The runs happen in a subprocess
+(XLA_FLAGS must be set before jax initialises).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+SCRIPT = r"""
+import json, os, re, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.path.join(os.getcwd(), "tests", "train"))
+import jax, numpy as np
+from scaleopt.train import config as C, data as D, loop
+from train_helpers import tiny_raw
+name, data, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1}
+OPS = "all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter"
+
+def collectives(hlo):
+  rows = []
+  for line in hlo.splitlines():
+    m = re.search(r"= (.*?) (" + OPS + r")(-start)?\(", line)
+    if m:
+      size = sum(BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+                 for t, dims in re.findall(r"(f32|s32|u32|bf16|f16|pred)\[([0-9,]*)\]", m.group(1)))
+      rows.append((m.group(2), size, "while/body" in line))
+  return rows
+
+def run(vmap):
+  extra = {"vmap_microbatches": vmap} if vmap else {}
+  if name == "adamw_bc":
+    extra["loo_passes"] = 1
+  raw = tiny_raw(mesh={"data": data, "fsdp": 8 // data}, optimizer={"name": name, "extra": extra},
+                 data={"batch_size": 64, "microbatches": 8})
+  s = loop.setup(C.from_dict(raw))
+  fns = loop.compile_fns(s)
+  it = D.Batches(s.train_w, 64, 8, groups=s.spec.num_groups,
+                 rolling_b=s.spec.layout == "rolling_b", seed=0)
+  batches = [{k: jax.device_put(v, fns.batch_sh) for k, v in it.next().items()}
+             for _ in range(3)]
+  state = fns.init()
+  step = fns.train_step.lower(state, batches[0]).compile()
+  for b in batches:
+    state, _ = step(state, b)
+  leaves = jax.tree.leaves(jax.device_get(state.params))
+  return leaves, collectives(step.as_text())
+
+ref, _ = run(False)
+new, coll = run(True)
+np.savez(out + "/params.npz", *[np.asarray(x) for x in ref + new])
+json.dump({"n": len(ref), "param_bytes": 4 * sum(int(x.size) for x in ref),
+           "collectives": coll}, open(out + "/info.json", "w"))
+"""
+
+
+def _run(tmp_path, name, data):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  r = subprocess.run([sys.executable, "-c", SCRIPT, name, str(data), str(tmp_path)], cwd=ROOT,
+                     env=env, capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  info = json.loads((tmp_path / "info.json").read_text())
+  arrays = np.load(tmp_path / "params.npz")
+  leaves = [arrays[f"arr_{i}"] for i in range(2 * info["n"])]
+  return leaves[:info["n"]], leaves[info["n"]:], info
+
+
+@pytest.mark.parametrize("name,data", [
+    ("adamw_bc", 8),
+    pytest.param("sophia_bc", 8, marks=pytest.mark.slow),
+    pytest.param("adamw_bc", 2, marks=pytest.mark.slow)])  # data 2 x fsdp 4
+def test_device_microbatches_equal_the_scan_without_per_microbatch_collectives(
+    tmp_path, name, data):
+  ref, new, info = _run(tmp_path, name, data)
+  for a, b in zip(ref, new):  # the batched gradients round differently: per coordinate, tight
+    np.testing.assert_allclose(b, a, rtol=2e-4, atol=1e-6 * max(np.abs(a).max(), 1e-30))
+  if data < 8:
+    return  # with fsdp the kernels' all-gathers live in the layer scan by design
+  coll = info["collectives"]
+  assert not [c for c in coll if c[2]], "a collective inside a loop"
+  assert not [c for c in coll if c[0] == "all-gather"]
+  reduced = sum(size for op, size, _ in coll if op == "all-reduce")
+  # at most 4 parameter-sized sums (plus scalars: losses, counts) whatever m is
+  assert 0 < reduced <= 4 * info["param_bytes"] + 4096, (reduced, info["param_bytes"])
