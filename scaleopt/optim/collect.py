@@ -62,6 +62,7 @@ from typing import Any, Callable, ContextManager, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], tuple[jax.Array, PyTree]]
@@ -423,7 +424,6 @@ class MicrobatchAxis(NamedTuple):
     """Stacked per-microbatch outputs with their leading axis on ``name`` (other axes free)."""
     if self.mesh is None:
       return tree
-    from jax.sharding import NamedSharding, PartitionSpec as P
     sh = lambda x: NamedSharding(self.mesh, P(self.name, *[P.UNCONSTRAINED] * (x.ndim - 1)))
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sh(x)), tree)
 
