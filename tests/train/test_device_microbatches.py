@@ -4,10 +4,13 @@ With ``vmap_microbatches`` and m divisible by the mesh's ``data`` size, the coll
 microbatch axis over ``data`` (``optim.MicrobatchAxis``): the forward and backward passes
 communicate nothing, and the per-microbatch statistics are sums over the split axis. On 8
 simulated CPU devices the run must equal the scan over the same microbatches per coordinate
-(parameters after three steps), keep every collective out of loops, and all-reduce a fixed
-number of parameter-sized sums (at most 4, e.g. the gradient, the fold terms and their
-denominators for leave-one-out; m = 8 here) instead of one gradient per microbatch. The runs happen in a subprocess
-(XLA_FLAGS must be set before jax initialises).
+(parameters after three steps, the last step's metrics), keep every collective out of loops,
+and all-reduce a fixed number of parameter-sized sums (at most 4, e.g. the gradient, the fold terms and their
+denominators for leave-one-out; m = 8 here) instead of one gradient per microbatch. The
+collector itself is checked field by field on 4 devices: every statistic of a split group equals
+the unsplit one, for each variance target, with squares, at m divisible by 4 or not, and
+Sophia's curvature pass. The runs happen in subprocesses (XLA_FLAGS must be set before jax
+initialises).
 """
 
 import json
@@ -57,8 +60,9 @@ def run(vmap):
   state = fns.init()
   step = fns.train_step.lower(state, batches[0]).compile()
   for b in batches:
-    state, _ = step(state, b)
-  leaves = jax.tree.leaves(jax.device_get(state.params))
+    state, metrics = step(state, b)
+  metrics = [np.asarray(metrics[k]) for k in ("loss", "ce", "grad_norm", "update_norm")]
+  leaves = jax.tree.leaves(jax.device_get(state.params)) + metrics
   return leaves, collectives(step.as_text())
 
 ref, _ = run(False)
@@ -87,7 +91,9 @@ def _run(tmp_path, name, data):
 def test_device_microbatches_equal_the_scan_without_per_microbatch_collectives(
     tmp_path, name, data):
   ref, new, info = _run(tmp_path, name, data)
-  for a, b in zip(ref, new):  # the batched gradients round differently: per coordinate, tight
+  # parameters after 3 steps and the last step's loss, ce, gradient and update norms; the
+  # batched gradients round differently: per coordinate, tight
+  for a, b in zip(ref, new):
     np.testing.assert_allclose(b, a, rtol=2e-4, atol=1e-6 * max(np.abs(a).max(), 1e-30))
   if data < 8:
     return  # with fsdp the kernels' all-gathers live in the layer scan by design
@@ -97,3 +103,69 @@ def test_device_microbatches_equal_the_scan_without_per_microbatch_collectives(
   reduced = sum(size for op, size, _ in coll if op == "all-reduce")
   # at most 4 parameter-sized sums (plus scalars: losses, counts) whatever m is
   assert 0 < reduced <= 4 * info["param_bytes"] + 4096, (reduced, info["param_bytes"])
+
+
+COLLECTOR = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh
+import importlib
+C = importlib.import_module("scaleopt.optim.collect")  # the module (optim.collect is the function)
+from scaleopt.optim import sophia_lib as S
+mesh = Mesh(np.array(jax.devices()).reshape(4), ("data",))
+rng = np.random.default_rng(0)
+params = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32),
+          "b": jnp.asarray(rng.normal(size=(3,)), jnp.float32)}
+
+def loss_fn(p, mb):
+  out = jnp.tanh(mb["x"] @ p["w"] + p["b"])
+  loss = jnp.mean((out - mb["y"]) ** 2)
+  return loss, {"ce": 2.0 * loss}
+
+def mbs(m):
+  return {"x": jnp.asarray(rng.normal(size=(m, 6, 5)), jnp.float32),
+          "y": jnp.asarray(rng.normal(size=(m, 6, 3)), jnp.float32)}
+
+def split_and_not(f):
+  def on_axis():
+    token = C._AXIS.set(C.MicrobatchAxis("data", 4, mesh=mesh))
+    try:
+      return f()
+    finally:
+      C._AXIS.reset(token)
+  return jax.tree.leaves(jax.jit(f)()), jax.tree.leaves(jax.jit(on_axis)())
+
+grad_fn = C.value_and_grad_fn(loss_fn)
+cases = []
+for m in (4, 6, 8):  # 6: not divisible by the 4 devices (unsplit vmap)
+  data = mbs(m)
+  for var_of in (None, "sq", "grad"):
+    cases.append(split_and_not(lambda: C.scan_group(grad_fn, params, data, var_of=var_of,
+                                                    need_sq=True, vmap=True)))
+data = mbs(8)
+logits = lambda p, mb: (jnp.tanh(mb["x"] @ p["w"] + p["b"]), jnp.ones(mb["x"].shape[:-1]))
+for est, stat, weight in (("hutchinson", "mean_sq", "none"), ("gnb", "mean_sq", "none"),
+                          ("gnb", "sq_of_mean", "tokens")):
+  cases.append(split_and_not(lambda: S._curvature_pass(loss_fn, logits, params, data,
+                                                       jax.random.key(1), est, stat, weight,
+                                                       True, True)))
+np.savez(sys.argv[1], *[x for a, b in cases for x in (np.asarray(u) for u in a + b)],
+         sizes=np.array([len(a) for a, _ in cases]))
+"""
+
+
+def test_split_statistics_equal_the_unsplit_ones_field_by_field(tmp_path):
+  out = tmp_path / "stats.npz"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  r = subprocess.run([sys.executable, "-c", COLLECTOR, str(out)], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  z = np.load(out)
+  arrays, i = [z[f"arr_{k}"] for k in range(len(z.files) - 1)], 0
+  for n in z["sizes"]:
+    ref, split = arrays[i:i + n], arrays[i + n:i + 2 * n]
+    i += 2 * n
+    for a, b in zip(ref, split):  # mean, squares, variance, loss, aux; curvature and its var
+      np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7 * max(np.abs(a).max(), 1e-30))
+  assert i == len(arrays)
