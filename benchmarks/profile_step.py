@@ -29,10 +29,10 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 
 from scaleopt.models import accounting
 from scaleopt.train import config as C
+from scaleopt.train import data as D
 from scaleopt.train import loop
 
 KINDS = (("collective", ("nccl", "all-reduce", "all-gather", "reduce-scatter", "allreduce",
@@ -85,6 +85,19 @@ def summarize(events: list[dict], steps: int, top: int = 25) -> str:
   return "\n".join(out)
 
 
+def _timed(step, state, batch, warmup: int, steps: int):
+  """(state, seconds per step) over ``steps`` steps after ``warmup`` untimed ones."""
+  for _ in range(warmup):
+    state, m = step(state, batch)
+  if warmup:
+    jax.block_until_ready(m["loss"])
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    state, m = step(state, batch)
+  jax.block_until_ready(m["loss"])
+  return state, (time.perf_counter() - t0) / max(steps, 1)
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--preset", default="gpt2-small")
@@ -107,37 +120,31 @@ def main(argv=None) -> int:
          "optimizer": {"name": "adamw"}, "mesh": {"data": -1}}
   try:
     cfg = C.from_dict(C.apply_overrides(raw, args.set))
+    s = loop.setup(cfg)
+    fns = loop.compile_fns(s)
+    d = cfg.data
+    it = D.Batches(s.train_w, d.batch_size, d.microbatches, groups=s.spec.num_groups,
+                   rolling_b=s.spec.layout == "rolling_b", seed=0)
+    batch = {k: jax.device_put(v, fns.batch_sh) for k, v in it.next().items()}
+    state = fns.init()
+    step = fns.train_step.lower(state, batch).compile()
   except (C.ConfigError, ValueError) as e:
     print(f"profile_step: {e}", file=sys.stderr)
     return 2
-  s = loop.setup(cfg)
-  fns = loop.compile_fns(s)
-  state = fns.init()
-  tokens = jax.random.randint(jax.random.key(0), (args.micro, args.batch // args.micro,
-                                                  args.seq + 1), 0, s.model.cfg.vocab_size)
-  batch = {"tokens": jax.device_put(tokens.astype(jnp.int32), fns.batch_sh)}
-  for _ in range(args.warmup):
-    state, m = fns.train_step(state, batch)
-  jax.block_until_ready(m["loss"])
-  t0 = time.perf_counter()
-  for _ in range(args.steps):
-    state, m = fns.train_step(state, batch)
-  jax.block_until_ready(m["loss"])
-  wall = (time.perf_counter() - t0) / args.steps
+  state, wall = _timed(step, state, batch, args.warmup, args.steps)
   out = args.out or tempfile.mkdtemp()
   with jax.profiler.trace(out, create_perfetto_trace=True):
-    for _ in range(args.steps):
-      state, m = fns.train_step(state, batch)
-    jax.block_until_ready(m["loss"])
+    _timed(step, state, batch, 0, args.steps)
   files = sorted(glob.glob(os.path.join(out, "**", "*.trace.json.gz"), recursive=True))
   dev = jax.devices()[0]
   print(f"# {dev.device_kind} x {jax.device_count()}, jax {jax.__version__}, {args.preset} "
-        f"{args.batch} x {args.seq}, {args.micro} microbatch(es), fused loss "
+        f"{d.batch_size} x {d.seq_len}, {d.microbatches} microbatch(es), fused loss "
         f"{not args.unfused}, {' '.join(args.set) or 'adamw'}, "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   peak = loop.peak_flops(dev, None)
-  util = (f", MFU {100 * accounting.mfu(args.batch * args.seq / wall, s.model.cfg, args.seq, peak):.1f}%"
-          if peak else "")
+  tokens_per_s = s.spec.num_groups * d.batch_size * d.seq_len / wall
+  mfu = peak and accounting.mfu(tokens_per_s, s.model.cfg, d.seq_len, peak * jax.device_count())
+  util = f", MFU {100 * mfu:.1f}%" if peak else ""
   print(f"# step time without the profiler: {1e3 * wall:.1f} ms{util}")
   if not files:
     print("# no perfetto trace was written")

@@ -1,16 +1,16 @@
 """Vmapped microbatches on a data-parallel mesh: each device computes its own microbatches.
 
 With ``vmap_microbatches`` and m divisible by the mesh's ``data`` size, the collector splits the
-microbatch axis over ``data`` (``optim.MicrobatchAxis``): the forward and backward passes
-communicate nothing, and the per-microbatch statistics are sums over the split axis. On 8
-simulated CPU devices the run must equal the scan over the same microbatches per coordinate
-(parameters after three steps, the last step's metrics), keep every collective out of loops,
-and all-reduce a fixed number of parameter-sized sums (at most 4, e.g. the gradient, the fold terms and their
-denominators for leave-one-out; m = 8 here) instead of one gradient per microbatch. The
-collector itself is checked field by field on 4 devices: every statistic of a split group equals
-the unsplit one, for each variance target, with squares, at m divisible by 4 or not, and
-Sophia's curvature pass. The runs happen in subprocesses (XLA_FLAGS must be set before jax
-initialises).
+microbatch axis over ``data`` (``optim.MicrobatchAxis``): apart from moving the token ids to
+their devices, the forward and backward passes communicate nothing, and the per-microbatch
+statistics are sums over the split axis. On 8 simulated CPU devices the run must equal the scan
+over the same microbatches per coordinate (parameters after three steps, the last step's
+metrics), keep every collective out of loops, and all-reduce a fixed number of parameter-sized
+sums (at most 4, e.g. the gradient, the fold terms and their denominators for leave-one-out;
+m = 8 here) instead of one gradient per microbatch. The collector itself is checked field by
+field on 4 devices: every statistic of a split group equals the unsplit one, for each variance
+target, with squares, at m divisible by 4 or not, and Sophia's curvature pass. The runs happen
+in subprocesses (XLA_FLAGS must be set before jax initialises).
 """
 
 import json
