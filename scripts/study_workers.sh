@@ -18,12 +18,15 @@ set -u
 [ $# -ge 3 ] || { echo "usage: $0 MINUTES ROOT STUDY[@KEY=VALUE...] ..." >&2; exit 2; }
 minutes=$1 root=$2
 shift 2
+[[ $minutes =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "MINUTES=$minutes is not a number of minutes" >&2; exit 2; }
 py=${PYTHON:-python3}
 n=${SCALEOPT_WORKERS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
 [ "$n" -ge 1 ] || n=1
 gpus=${SCALEOPT_GPUS:-$(seq -s ' ' 0 $((n - 1)))}
 token=${SCALEOPT_CLAIM_TOKEN:-launch-$(date +%s)-$$}
 deadline=${SCALEOPT_DEADLINE:-$(( $(date +%s) + ${minutes%.*} * 60 ))}
+[[ $deadline =~ ^[0-9]+$ ]] || { echo "SCALEOPT_DEADLINE=$deadline is not a time in epoch seconds" >&2; exit 2; }
+[ "$deadline" -gt "$(date +%s)" ] || { echo "SCALEOPT_DEADLINE=$deadline is in the past ($(date -d @$deadline +%T))" >&2; exit 2; }
 mkdir -p "$root"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$root/.jax_cache}
 echo "worker(s) on GPU(s) $gpus, token $token, until $(date -d @$deadline +%T)"

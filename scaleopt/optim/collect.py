@@ -57,7 +57,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Callable, ContextManager, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -409,15 +409,16 @@ class MicrobatchAxis(NamedTuple):
 
   With ``vmap_microbatches`` and m divisible by ``size``, the microbatch axis is split over the
   mesh axis ``name`` (``jax.vmap``'s ``spmd_axis_name``): each device computes the gradients
-  of its own m / size microbatches, nothing is communicated in the forward and backward
-  passes, and the statistics over microbatches are sums over the split axis (one all-reduce
-  each) instead of a scan over gathered gradients. ``context()`` is entered while the
+  of its own m / size microbatches, the forward and backward passes communicate nothing but
+  the token ids' move to their devices, and the statistics over microbatches are sums over the
+  split axis (all-reduces: one per sum, two for a Welford variance) instead of a scan over
+  gathered gradients. ``context()`` is entered while the
   microbatch function traces (the model's own constraints then leave ``name`` to the
   microbatch axis). Where m is not divisible the microbatches are vmapped unsplit.
   """
   name: str
   size: int
-  context: Callable[[], ContextManager] = contextlib.nullcontext
+  context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
   mesh: Any = None  # with a mesh, the stacked outputs are pinned to the split axis
 
   def pin(self, tree: PyTree) -> PyTree:

@@ -203,12 +203,12 @@ def _own_baselines(st, conds: list[Condition], has_grid: bool) -> list[str]:
 
 
 def _count_line(rows: list[dict], planned: set[str]) -> str:
-  """'N of M planned cells finished', naming finished cells outside today's plan (extra seeds
+  """'N of M planned cells finished', naming finished cells outside the current plan (extra seeds
   at a learning rate that was best before the grid changed): kept in results.csv, not used."""
   done = {r["id"] for r in rows}
   line = f"{len(done & planned)} of {len(planned)} planned cells finished"
   extra = len(done - planned)
-  return line + (f" (and {extra} earlier cell(s) outside today's grid plan, e.g. extra seeds at "
+  return line + (f" (and {extra} cell(s) outside the current plan, e.g. extra seeds at "
                  "a former best lr: in results.csv, not used below)" if extra else "")
 
 

@@ -86,7 +86,7 @@ def test_selection_on_val_paired_differences_and_stage_two(tmp_path):
   _write(tmp_path, st, stale, 9.0, 9.0, passes["adamw"])
   report.write_report(st, tmp_path, plots=False)
   summary = (tmp_path / "summary.md").read_text()
-  assert f"{n} of {n} planned cells finished (and 1 earlier cell(s) outside" in summary
+  assert f"{n} of {n} planned cells finished (and 1 cell(s) outside the current plan" in summary
 
 
 def test_grid_study_recovers_planted_effects(tmp_path):
