@@ -29,8 +29,7 @@ import json, os, re, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.join(os.getcwd(), "tests", "train"))
 import jax, numpy as np
-from scaleopt.train import config as C, data as D, loop
-from train_helpers import tiny_raw
+from train_helpers import compiled_steps, tiny_raw
 name, data, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1}
 OPS = "all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter"
@@ -51,14 +50,7 @@ def run(vmap):
     extra["loo_passes"] = 1
   raw = tiny_raw(mesh={"data": data, "fsdp": 8 // data}, optimizer={"name": name, "extra": extra},
                  data={"batch_size": 64, "microbatches": 8})
-  s = loop.setup(C.from_dict(raw))
-  fns = loop.compile_fns(s)
-  it = D.Batches(s.train_w, 64, 8, groups=s.spec.num_groups,
-                 rolling_b=s.spec.layout == "rolling_b", seed=0)
-  batches = [{k: jax.device_put(v, fns.batch_sh) for k, v in it.next().items()}
-             for _ in range(3)]
-  state = fns.init()
-  step = fns.train_step.lower(state, batches[0]).compile()
+  _, state, step, batches = compiled_steps(raw)
   for b in batches:
     state, metrics = step(state, b)
   metrics = [np.asarray(metrics[k]) for k in ("loss", "ce", "grad_norm", "update_norm")]

@@ -33,8 +33,7 @@ import json, os, re, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.join(os.getcwd(), "tests", "train"))
 import jax, numpy as np
-from scaleopt.train import config as C, data as D, loop
-from train_helpers import tiny_raw
+from train_helpers import compiled_steps, tiny_raw
 assert jax.device_count() == 8, jax.devices()
 
 def nbytes(tree, shardings):
@@ -43,15 +42,8 @@ def nbytes(tree, shardings):
 
 def run(name, shard, out):
   raw = tiny_raw(mesh={"data": 8, "shard_optimizer": shard}, optimizer={"name": name})
-  s = loop.setup(C.from_dict(raw))
-  fns = loop.compile_fns(s)
-  it = D.Batches(s.train_w, 16, 2, groups=s.spec.num_groups,
-                 rolling_b=s.spec.layout == "rolling_b", seed=0)
-  batches = [{k: jax.device_put(v, fns.batch_sh) for k, v in it.next().items()}
-             for _ in range(3)]
-  state = fns.init()
+  fns, state, step, batches = compiled_steps(raw)
   init = jax.device_get(state.params)
-  step = fns.train_step.lower(state, batches[0]).compile()
   ma = step.memory_analysis()
   for b in batches:
     state, _ = step(state, b)

@@ -29,6 +29,23 @@ def tiny_raw(**sections):
   return raw
 
 
+def compiled_steps(raw, steps=3):
+  """(compiled functions, initial state, the compiled train step, ``steps`` batches on the
+  step's sharding) of a config; the batches come from its data in the optimizer's layout
+  (groups, rolling B)."""
+  import jax
+  from scaleopt.train import config as C, loop
+  s = loop.setup(C.from_dict(raw))
+  fns = loop.compile_fns(s)
+  d = s.cfg.data
+  it = D.Batches(s.train_w, d.batch_size, d.microbatches, groups=s.spec.num_groups,
+                 rolling_b=s.spec.layout == "rolling_b", seed=0)
+  batches = [{k: jax.device_put(v, fns.batch_sh) for k, v in it.next().items()}
+             for _ in range(steps)]
+  state = fns.init()
+  return fns, state, fns.train_step.lower(state, batches[0]).compile(), batches
+
+
 def run_until(cmd, run, step, sig, cwd, env=None, timeout=180):
   """Starts ``cmd``, sends ``sig`` once RUN/metrics.jsonl holds a step >= ``step``.
 
