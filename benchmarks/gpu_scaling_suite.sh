@@ -24,13 +24,13 @@
 #     microbatches
 #
 # SUITE_PLAN=open (under 9 minutes; the measurements docs/benchmarks.md lists as not made yet):
-#   bias correction with microbatches on their own devices: adamw_bc (LOO) and sophia_bc on
-#     data4 with and without vmap_microbatches, against AdamW fsdp4 / data4 at one microbatch
-#   Shampoo at its defaults (block 512) on one GPU: float32 HIGHEST, TF32, one bfloat16 pass
-#   ZeRO-1 on 4 GPUs: AdamW and Shampoo data4 with and without it
-#   qwen2.5-0.5b with the 2-H200 row's settings (16 x 2048, one microbatch, unroll 24) on 1 and
-#     2 GPUs, then one setting at a time on one GPU (seq 1024, unroll 12)
-#   a profile of qwen2.5-0.5b's one-GPU step (benchmarks/profile_step.py) if time is left
+#   the layer scan's unroll on one GPU (qwen2.5-0.5b: rolled, half, all 24 layers) and
+#     gpt2-small's accumulation (1 and 4 microbatches), four one-GPU rows side by side
+#   qwen2.5-0.5b with FSDP over 4 GPUs, the whole scan unrolled: the largest batch under 70 GiB
+#     and 16 sequences per GPU
+#   bias correction with microbatches on their own devices and the optimizer state split over
+#     them (ZeRO-1), against AdamW fsdp4 / data4 with one microbatch
+#   Shampoo at one microbatch on one GPU: its defaults and TF32
 #
 # Every number has its same-run baseline in the same table (benchmarks/mesh_throughput.py:
 # "vs one GPU", "vs 1 GPU/GPU-batch", "vs adamw step", "vs adamw token", "same micro").
@@ -73,7 +73,7 @@ if [ "$DRY" = 1 ]; then
   STEPS=2 LONG=2
   FIT=0.04  # GiB: the tiny model's compiled step holds about 1 MiB per sequence per device
 else
-  MT=(--steps 21 --unroll 12)
+  MT=(--steps 21 --unroll 0)
   MEM=()
   STEPS=21 LONG=31  # LONG: Shampoo rows, 3 root steps in 30 timed steps
   FIT=${FIT_GIB:-70}
@@ -128,24 +128,13 @@ elif [ "$PLAN" = open ]; then
   Q=pqwen2.5-0.5b
   V=evmap_microbatches=true
   TF32=ematmul_precision=default+estats_precision=default
-  BF16=ematmul_precision=BF16_BF16_F32+estats_precision=BF16_BF16_F32
-  mt bc_devices 80 "fsdp4+b64+m1,data4+b64+m1,data4+b64+m4+optadamw_bc,\
-data4+b64+m4+optadamw_bc+$V,data4+b32+m4+optsophia_bc,data4+b32+m4+optsophia_bc+$V" \
-    --same-process
-  CUDA_VISIBLE_DEVICES=0 mt shampoo_1gpu 60 "data1+b64+m1,data1+b64+m2+optshampoo,data1+b64+m2+optshampoo+$TF32,\
-data1+b64+m2+optshampoo+$BF16" --same-process --steps "$LONG"
-  mt zero_4gpu 60 "data4+b64+m1,data4+b64+m1+zero,data4+b64+m1+optshampoo,\
-data4+b64+m1+optshampoo+zero,fsdp4+b64+m1+optshampoo+$TF32" --same-process --steps "$LONG"
-  mt qwen_h200_settings 120 "data1+b16+m1+seq2048+u24+$Q,fsdp2+b16+m1+seq2048+u24+$Q,\
-data1+b16+m1+seq1024+u24+$Q,data1+b16+m1+seq2048+u12+$Q"
-  if [ "$(left)" -gt 60 ]; then
-    log "profile: qwen2.5-0.5b, one GPU"
-    if [ "$DRY" = 1 ]; then PROF=(--preset tiny --batch 4 --seq 32 --unroll 1 --steps 1 --warmup 1)
-    else PROF=(--preset qwen2.5-0.5b --batch 16 --seq 2048 --unroll 24); fi
-    CUDA_VISIBLE_DEVICES=0 timeout --kill-after=5 $(( DEADLINE - SECONDS )) \
-      $PY benchmarks/profile_step.py "${PROF[@]}" > "$OUT/profile_qwen.txt" 2>&1
-    log "profile: exit $?"
-  fi
+  mt unroll_1gpu 170 "data1+b16+m1+seq1024+u1+$Q,data1+b16+m1+seq1024+u12+$Q,\
+data1+b16+m1+seq1024+u0+$Q,data1+b64+m4" --parallel-single 4
+  mt qwen_fsdp4 200 "fsdp4+m1+$Q+fit$FIT,fsdp4+b64+m1+$Q" --same-process
+  mt bc_zero 80 "fsdp4+b64+m1,data4+b64+m1+zero,data4+b64+m4+optadamw_bc+$V+zero,\
+data4+b32+m4+optsophia_bc+$V+zero" --same-process
+  CUDA_VISIBLE_DEVICES=0 mt shampoo_m1 60 "data1+b64+m1,data1+b64+m1+optshampoo,\
+data1+b64+m1+optshampoo+$TF32" --same-process --steps "$LONG"
 else
   Q=pqwen2.5-0.5b
   # the fit row first: it compiles at 8 and 16 per GPU (8 is cached for the check row) and

@@ -1,7 +1,7 @@
 """Training-system throughput across meshes and GPU counts, each configuration in its own process.
 
   PYTHONPATH=. python benchmarks/mesh_throughput.py --configs data1,data2,fsdp2,tensor2 \
-      [--preset gpt2-small --batch 64 --micro 2 --unroll 12 --steps 30 --csv OUT.csv]
+      [--preset gpt2-small --batch 64 --micro 2 --unroll 0 --steps 30 --csv OUT.csv]
   PYTHONPATH=. python benchmarks/mesh_throughput.py --quick      # CPU smoke run (2 devices)
 
 A configuration is ``AXISN[+option...]``: AXIS one of data / fsdp / tensor, N its size (the
@@ -474,7 +474,8 @@ def main(argv=None) -> int:
   ap.add_argument("--batch", type=int, default=64)
   ap.add_argument("--seq", type=int, default=1024)
   ap.add_argument("--micro", type=int, default=2)
-  ap.add_argument("--unroll", type=int, default=12)
+  ap.add_argument("--unroll", type=int, default=0,
+                  help="model scan_unroll (0: all layers, no loop)")
   ap.add_argument("--steps", type=int, default=None, help="default 30 (--quick: 6)")
   ap.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
   ap.add_argument("--pair-single", action="store_true",

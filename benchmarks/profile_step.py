@@ -1,7 +1,7 @@
 """Where the train step's GPU time goes: a profiler trace of a few steps, summed by kernel kind.
 
   PYTHONPATH=. python benchmarks/profile_step.py [--preset gpt2-small --batch 32 --micro 1
-      --unroll 12 --steps 3 --out DIR] [--set KEY=VALUE ...]
+      --unroll 0 --steps 3 --out DIR] [--set KEY=VALUE ...]
 
 ``--set`` takes the training config's dotted overrides, e.g. ``--set optimizer.name=adamw_bc
 --set optimizer.extra.loo_passes=1`` or ``--set optimizer.name=shampoo`` (the step then also
@@ -104,7 +104,8 @@ def main(argv=None) -> int:
   ap.add_argument("--batch", type=int, default=32)
   ap.add_argument("--seq", type=int, default=1024)
   ap.add_argument("--micro", type=int, default=1)
-  ap.add_argument("--unroll", type=int, default=12)
+  ap.add_argument("--unroll", type=int, default=0,
+                  help="model scan_unroll (0: all layers, no loop)")
   ap.add_argument("--steps", type=int, default=3)
   ap.add_argument("--warmup", type=int, default=5)
   ap.add_argument("--unfused", action="store_true", help="plain float32-logits loss")

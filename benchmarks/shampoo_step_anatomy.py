@@ -303,7 +303,8 @@ def main(argv=None) -> int:
   ap.add_argument("--batch", type=int, default=64)
   ap.add_argument("--seq", type=int, default=1024)
   ap.add_argument("--micro", type=int, default=1)
-  ap.add_argument("--unroll", type=int, default=12)
+  ap.add_argument("--unroll", type=int, default=0,
+                  help="model scan_unroll (0: all layers, no loop)")
   ap.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
   ap.add_argument("--big", type=float, default=1.0, help="MiB: smallest transpose/copy counted")
   ap.add_argument("--timeout", type=int, default=900, help="seconds per configuration")

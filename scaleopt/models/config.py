@@ -102,7 +102,10 @@ class ModelConfig:
   # Numerics and performance.
   dtype: str = "bfloat16"  # compute dtype; parameters are always float32
   remat: str = "none"  # none | full | dots (save matmul outputs without batch dims)
-  scan_unroll: int = 1  # jax.lax.scan unroll over layer units (1: rolled loop)
+  # Layer units per iteration of the layer scan: 1 a rolled loop (compile time flat in depth),
+  # 0 all units (no loop; fastest on GPU, the GPU-size presets use it). A partial unroll is
+  # slower and holds more memory than either (docs/models.md, Performance).
+  scan_unroll: int = 1
   attention_impl: str = "auto"  # auto: cudnn on GPU with 16-bit dtype, else xla
   max_seq_len: int = 1024  # used for FLOP accounting defaults only
   # LM-head matmul output dtype before the cast to float32 logits. False (MaxText's default):
@@ -150,9 +153,9 @@ class ModelConfig:
   def validate(self) -> "ModelConfig":
     """Raises ValueError naming the bad field and the allowed values; returns self."""
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                 "rope_theta", "norm_eps", "init_std", "max_seq_len", "scan_unroll",
-                 "loss_chunks"):
+                 "rope_theta", "norm_eps", "init_std", "max_seq_len", "loss_chunks"):
       _check_positive(name, getattr(self, name))
+    _check_positive("scan_unroll", self.scan_unroll, allow_zero=True)
     if self.head_dim is not None:
       _check_positive("head_dim", self.head_dim)
     elif self.d_model % self.n_heads:

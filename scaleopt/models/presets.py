@@ -1,4 +1,8 @@
-"""Named model configurations (all with ``scales='standard'``; use ``with_variant``)."""
+"""Named model configurations (all with ``scales='standard'``; use ``with_variant``).
+
+The GPU-size dense presets unroll the whole layer scan (``scan_unroll=0``): the fastest form
+measured on H100/H200 (docs/models.md, Performance); set ``scan_unroll=1`` for a rolled loop
+when compile time matters more."""
 
 from __future__ import annotations
 
@@ -16,11 +20,11 @@ PRESETS: dict[str, ModelConfig] = {
     # the MLP at GPT-2's 2 * 768 * 3072 weights; vocab 50257 padded to 50304 (multiple of 128).
     # 123.6M parameters.
     "gpt2-small": ModelConfig(vocab_size=50304, d_model=768, n_layers=12, n_heads=12,
-                              n_kv_heads=12, d_ff=2048, max_seq_len=1024),
+                              n_kv_heads=12, d_ff=2048, max_seq_len=1024, scan_unroll=0),
     # Qwen2.5-0.5B shapes: 494,032,768 parameters (the published size).
     "qwen2.5-0.5b": ModelConfig(vocab_size=151936, d_model=896, n_layers=24, n_heads=14,
                                 n_kv_heads=2, d_ff=4864, qkv_bias=True, rope_theta=1e6,
-                                norm_eps=1e-6, max_seq_len=4096),
+                                norm_eps=1e-6, max_seq_len=4096, scan_unroll=0),
     # Small MoE: 8 x 512, 8 experts top-2, MoE every other layer.
     "moe-small": ModelConfig(vocab_size=50304, d_model=512, n_layers=8, n_heads=8,
                              n_kv_heads=8, d_ff=1536, n_experts=8, moe_top_k=2, moe_every=2,

@@ -158,7 +158,7 @@ class Transformer(nnx.Module):
 
     if cfg.remat != "none":
       body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    x, aux = jax.lax.scan(body, x, state, unroll=cfg.scan_unroll)
+    x, aux = jax.lax.scan(body, x, state, unroll=cfg.scan_unroll or True)  # 0: all units
 
     gamma = None
     name = final_scale_name(cfg)

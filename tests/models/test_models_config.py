@@ -33,6 +33,7 @@ def test_bad_choice_names_field_and_allowed_values(field, value, allowed):
     (dict(n_experts=4, moe_top_k=5), "moe_top_k"),
     (dict(n_experts=4, moe_every=3), "moe_every"),
     (dict(n_experts=-1), "n_experts"),
+    (dict(scan_unroll=-1), "scan_unroll"),
     (dict(qk_norm=True, dual="dnp"), "qk_norm"),
 ])
 def test_bad_values_name_field(kw, field):

@@ -123,6 +123,25 @@ def test_remat_gives_same_loss_and_grads():
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7), base, other)
 
 
+def test_unrolled_layer_scan_gives_same_loss_and_grads():
+  """scan_unroll 0 (all units, no loop) and a partial unroll compute the rolled loop's function;
+  0 leaves no loop in the program."""
+  cfg = tiny(n_layers=4)
+  params = init_params(cfg)
+  toks = tokens(cfg)
+
+  def fn(c):
+    _, apply = models.functional(c)
+    return lambda p: models.lm_loss(apply(p, toks[:, :-1])[0], toks[:, 1:])
+
+  base = jax.jit(jax.value_and_grad(fn(cfg)))(params)
+  for u in (0, 2):
+    other = jax.jit(jax.value_and_grad(fn(cfg.replace(scan_unroll=u))))(params)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7), base, other)
+  hlo = lambda c: jax.jit(fn(c)).lower(params).as_text()
+  assert "while" in hlo(cfg) and "while" not in hlo(cfg.replace(scan_unroll=0))
+
+
 def test_lm_loss_against_numpy():
   rng = np.random.default_rng(0)
   z = rng.normal(size=(2, 5, 7)).astype(np.float32)
