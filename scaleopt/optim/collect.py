@@ -415,11 +415,18 @@ class MicrobatchAxis(NamedTuple):
   gathered gradients. ``context()`` is entered while the
   microbatch function traces (the model's own constraints then leave ``name`` to the
   microbatch axis). Where m is not divisible the microbatches are vmapped unsplit.
+
+  ``spread`` (optional) reshards stacked per-microbatch outputs ``[m, ...]`` so that every
+  device holds all m microbatches of its slice of each leaf (an all-to-all). The statistics
+  are then folded on the slices with the ordinary scan, locally: instead of an all-reduce per
+  parameter-sized sum (the gradient, each fold term, a Welford mean and M2 one after another),
+  one all-to-all of the gradients, and the optimizer can update its slice in place (ZeRO-1).
   """
   name: str
   size: int
   context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
   mesh: Any = None  # with a mesh, the stacked outputs are pinned to the split axis
+  spread: Optional[Callable[[PyTree], PyTree]] = None
 
   def pin(self, tree: PyTree) -> PyTree:
     """Stacked per-microbatch outputs with their leading axis on ``name`` (other axes free)."""
@@ -437,6 +444,12 @@ def _split_axis(m: int) -> Optional[MicrobatchAxis]:
   """The active microbatch axis if it splits ``m`` microbatches evenly (and has > 1 device)."""
   ax = _AXIS.get()
   return ax if ax is not None and ax.size > 1 and m % ax.size == 0 else None
+
+
+def _spreads(m: int) -> bool:
+  """Whether the active axis splits ``m`` microbatches and spreads their outputs in slices."""
+  ax = _split_axis(m)
+  return ax is not None and ax.spread is not None
 
 
 def _vmap(fn: Callable, m: int) -> Callable:
@@ -459,8 +472,10 @@ def fold_microbatches(fn: Callable, step: Callable, carry0, xs: PyTree, *, vmap:
   microbatch). ``vmap=True``: ``jax.vmap(fn)`` over all of ``xs`` at once (one batched call),
   then the scan runs ``step`` over its stacked outputs in the same order, so both give the same
   carry up to the rounding of the batched ``fn``. Where a ``MicrobatchAxis`` splits the
-  microbatches over devices, ``reduce(carry0, stacked outputs)`` (the same carry by sums over
-  the split axis) replaces that scan, which would gather every device's outputs.
+  microbatches over devices, its ``spread`` reshards the stacked outputs into slices that hold
+  every microbatch (the scan then runs locally on each slice; ``kept`` is in that layout);
+  without ``spread``, ``reduce(carry0, stacked outputs)`` (the same carry by sums over the
+  split axis) replaces that scan, which would gather every device's outputs.
 
   Returns:
     (carry, kept): ``kept`` stacks ``keep(fn(x_j))`` over j (None without ``keep``).
@@ -468,7 +483,11 @@ def fold_microbatches(fn: Callable, step: Callable, carry0, xs: PyTree, *, vmap:
   if vmap:
     m = num_microbatches(xs)
     ys = _vmap(fn, m)(xs)
-    if reduce is not None and _split_axis(m) is not None:
+    ax = _split_axis(m)
+    if ax is not None and ax.spread is not None:
+      ys = ax.spread(ys)
+      carry, _ = jax.lax.scan(lambda c, y: (step(c, y), None), carry0, ys)
+    elif reduce is not None and ax is not None:
       carry = reduce(carry0, ys)
     else:
       carry, _ = jax.lax.scan(lambda c, y: (step(c, y), None), carry0, ys)
@@ -590,9 +609,10 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
     terms, d = _vmap(lambda g_r: fold(jax.tree.map(lambda x: c * x, g_r)), m)(g_rs)
     return jax.tree.map(jnp.add, t, sum0(terms)), welford_merge(w, welford_of(d))
 
+  # stored gradients already in slices: the plain scan folds them where they are
   (t, w), _ = fold_microbatches(grad_of, step, (terms0, welford_init(d0)),
-                                g_all[0] if one else mbs, vmap=one and spec.vmap,
-                                reduce=reduce)
+                                g_all[0] if one else mbs,
+                                vmap=one and spec.vmap and not _spreads(m), reduce=reduce)
   loo = LOOStats(mean=jax.tree.map(lambda s: s / m, t),
                  var=jax.tree.map(lambda s: jnp.maximum(s / (m - 1), 0.0), w.m2))
   return BCStats(g_full, g_full, None, None, loo, loss, aux, c)

@@ -214,6 +214,24 @@ def optimizer_shardings(mesh: Mesh, params_shape: Any, param_sh: Any, shard: boo
   return jax.tree.map(lambda x, sh: _with_data(mesh, sh, tuple(x.shape)), params_shape, param_sh)
 
 
+def spread_stacked(tree: Any, params: Any, param_sh: Any, mesh: Mesh) -> Any:
+  """Inside jit: stacked per-microbatch outputs ``[m, ...]`` (the microbatch axis split over
+  ``data``) resharded so that each device holds all m microbatches of one slice of every leaf:
+  a leaf mirroring a parameter takes that parameter's ZeRO-1 layout (``_with_data``: the
+  optimizer then updates its slice in place), any other leaf its first dimension that
+  ``data`` divides (replicated when none does). One all-to-all per leaf."""
+  pick = _mirror(params, param_sh)
+  replicated = NamedSharding(mesh, P())
+
+  def one(path, x):
+    shape = tuple(x.shape[1:])
+    base = pick(path, jax.ShapeDtypeStruct(shape, x.dtype)) or replicated
+    spec = _with_data(mesh, base, shape).spec
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, *spec)))
+
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
 def _mirror(params_shape: Any, param_sh: Any) -> Callable:
   """``pick(path, x)``: the sharding of the parameter whose path ends ``path`` (optax states
   and the collector's statistics nest the parameter tree) and whose shape is ``x``'s; None if

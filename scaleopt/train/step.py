@@ -68,7 +68,9 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
   (the statistics) are pinned to ``param_sh``, so no sliced layout propagates into the forward
   and backward passes; the gradient and parameters the optimizer reads are then sliced to
   ``update_sh``, the update stays there, and the new parameters are all-gathered by the step's
-  output sharding. None: no constraints."""
+  output sharding. None: no constraints. Vmapped microbatches on a mesh with ``data`` > 1
+  run one per device and return their statistics in slices (``optim.MicrobatchAxis``,
+  ``mesh.spread_stacked``): those are not pinned."""
   del spec
   if update_sh is None:
     pin, on_slices = (lambda t, params: t), (lambda t: t)
@@ -77,19 +79,26 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
     on_slices = lambda t: jax.lax.with_sharding_constraint(t, update_sh)
 
   mesh = getattr(model, "mesh", None)
-  mb_axis = None  # vmapped microbatches: each data-parallel device computes its own
-  if mesh is not None and mesh.shape.get("data", 1) > 1:
-    mb_axis = optim.MicrobatchAxis("data", int(mesh.shape["data"]),
-                                   lambda: models.sharding.microbatch_axis("data"), mesh)
+  split = mesh is not None and mesh.shape.get("data", 1) > 1
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng, key = jax.random.split(state.rng)
+    mb_axis = None  # vmapped microbatches: each data-parallel device computes its own, and
+    if split:       # their statistics are folded in slices (ZeRO-1 layout) after an all-to-all
+      spread = None if param_sh is None else (
+          lambda t: mesh_lib.spread_stacked(t, state.params, param_sh, mesh))
+      mb_axis = optim.MicrobatchAxis("data", int(mesh.shape["data"]),
+                                     lambda: models.sharding.microbatch_axis("data"), mesh,
+                                     spread)
+    # statistics folded in slices read the state and stay where they are
+    sliced = mb_axis is not None and optim.collector_spec(state.opt_state).vmap
+    keep = (lambda t, params: t) if sliced else pin
     with models.sharding.constraints(mesh):  # optimizer work on the mesh
       stats = optim.collect(model.loss_fn, state.params, batch["tokens"],
-                            pin(state.opt_state, state.params),
+                            keep(state.opt_state, state.params),
                             key=key, logits_fn=model.logits_fn,
                             b_microbatches=batch.get("b_tokens"), microbatch_axis=mb_axis)
-      stats = pin(stats, state.params)
+      stats = keep(stats, state.params)
       params = on_slices(pin(state.params, state.params))
       updates, opt_state = tx.update(on_slices(stats.numerator), state.opt_state, params,
                                      bc_stats=stats)

@@ -3,11 +3,12 @@
 With ``vmap_microbatches`` and m divisible by the mesh's ``data`` size, the collector splits the
 microbatch axis over ``data`` (``optim.MicrobatchAxis``): apart from moving the token ids to
 their devices, the forward and backward passes communicate nothing, and the per-microbatch
-statistics are sums over the split axis. On 8 simulated CPU devices the run must equal the scan
-over the same microbatches per coordinate (parameters after three steps, the last step's
-metrics), keep every collective out of loops, and all-reduce a fixed number of parameter-sized
-sums (at most 4, e.g. the gradient, the fold terms and their denominators for leave-one-out;
-m = 8 here) instead of one gradient per microbatch. The collector itself is checked field by
+outputs move once, by an all-to-all, into slices where every statistic is folded locally. On 8
+simulated CPU devices the run must equal the scan over the same microbatches per coordinate
+(parameters after three steps, the last step's metrics), keep every collective out of loops,
+all-reduce nothing parameter-sized, and for leave-one-out (one microbatch per device) move one
+gradient's bytes by all-to-all and gather back only the updated parameters and the replicated
+moments (with ZeRO-1, the parameters alone). The collector itself is checked field by
 field on 4 devices: every statistic of a split group equals the unsplit one, for each variance
 target, with squares, at m divisible by 4 or not, and Sophia's curvature pass. The runs happen
 in subprocesses (XLA_FLAGS must be set before jax initialises).
@@ -30,7 +31,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.join(os.getcwd(), "tests", "train"))
 import jax, numpy as np
 from train_helpers import compiled_steps, tiny_raw
-name, data, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+name, data, out, zero = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "zero"
 BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1}
 OPS = "all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter"
 
@@ -48,7 +49,8 @@ def run(vmap):
   extra = {"vmap_microbatches": vmap} if vmap else {}
   if name == "adamw_bc":
     extra["loo_passes"] = 1
-  raw = tiny_raw(mesh={"data": data, "fsdp": 8 // data}, optimizer={"name": name, "extra": extra},
+  mesh = {"data": data, "fsdp": 8 // data, "shard_optimizer": zero}
+  raw = tiny_raw(mesh=mesh, optimizer={"name": name, "extra": extra},
                  data={"batch_size": 64, "microbatches": 8})
   _, state, step, batches = compiled_steps(raw)
   for b in batches:
@@ -65,9 +67,10 @@ json.dump({"n": len(ref), "param_bytes": 4 * sum(int(x.size) for x in ref),
 """
 
 
-def _run(tmp_path, name, data):
+def _run(tmp_path, name, data, zero=False):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-  r = subprocess.run([sys.executable, "-c", SCRIPT, name, str(data), str(tmp_path)], cwd=ROOT,
+  args = [name, str(data), str(tmp_path), "zero" if zero else "replicated"]
+  r = subprocess.run([sys.executable, "-c", SCRIPT, *args], cwd=ROOT,
                      env=env, capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   info = json.loads((tmp_path / "info.json").read_text())
@@ -76,25 +79,29 @@ def _run(tmp_path, name, data):
   return leaves[:info["n"]], leaves[info["n"]:], info
 
 
-@pytest.mark.parametrize("name,data", [
-    ("adamw_bc", 8),
-    pytest.param("sophia_bc", 8, marks=pytest.mark.slow),
-    pytest.param("adamw_bc", 2, marks=pytest.mark.slow)])  # data 2 x fsdp 4
+@pytest.mark.parametrize("name,data,zero", [
+    ("adamw_bc", 8, False),
+    ("adamw_bc", 8, True),
+    pytest.param("sophia_bc", 8, False, marks=pytest.mark.slow),
+    pytest.param("adamw_bc", 2, False, marks=pytest.mark.slow)])  # data 2 x fsdp 4
 def test_device_microbatches_equal_the_scan_without_per_microbatch_collectives(
-    tmp_path, name, data):
-  ref, new, info = _run(tmp_path, name, data)
+    tmp_path, name, data, zero):
+  ref, new, info = _run(tmp_path, name, data, zero)
   # parameters after 3 steps and the last step's loss, ce, gradient and update norms; the
   # batched gradients round differently: per coordinate, tight
   for a, b in zip(ref, new):
     np.testing.assert_allclose(b, a, rtol=2e-4, atol=1e-6 * max(np.abs(a).max(), 1e-30))
   if data < 8:
     return  # with fsdp the kernels' all-gathers live in the layer scan by design
-  coll = info["collectives"]
+  coll, pb = info["collectives"], info["param_bytes"]
+  total = lambda op: sum(size for o, size, _ in coll if o == op)
   assert not [c for c in coll if c[2]], "a collective inside a loop"
-  assert not [c for c in coll if c[0] == "all-gather"]
-  reduced = sum(size for op, size, _ in coll if op == "all-reduce")
-  # at most 4 parameter-sized sums (plus scalars: losses, counts) whatever m is
-  assert 0 < reduced <= 4 * info["param_bytes"] + 4096, (reduced, info["param_bytes"])
+  assert total("all-reduce") <= 4096, "a parameter-sized all-reduce (scalars only: losses, norms)"
+  assert 0 < total("all-to-all") and total("all-gather") > 0
+  if name == "adamw_bc":  # one microbatch per device: its gradient moves once
+    assert total("all-to-all") <= 1.05 * pb, (total("all-to-all"), pb)
+    # back: the new parameters, with replicated moments also the two Adam moments
+    assert total("all-gather") <= (1.05 if zero else 3.05) * pb, (total("all-gather"), pb)
 
 
 COLLECTOR = r"""
