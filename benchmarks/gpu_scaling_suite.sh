@@ -24,13 +24,13 @@
 #     microbatches
 #
 # SUITE_PLAN=open (under 9 minutes; the measurements docs/benchmarks.md lists as not made yet):
-#   the layer scan's unroll on one GPU (qwen2.5-0.5b: rolled, half, all 24 layers) and
-#     gpt2-small's accumulation (1 and 4 microbatches), four one-GPU rows side by side
-#   qwen2.5-0.5b with FSDP over 4 GPUs, the whole scan unrolled: the largest batch under 70 GiB
-#     and 16 sequences per GPU
-#   bias correction with microbatches on their own devices and the optimizer state split over
-#     them (ZeRO-1), against AdamW fsdp4 / data4 with one microbatch
-#   Shampoo at one microbatch on one GPU: its defaults and TF32
+#   Shampoo on 4 GPUs at TF32: fsdp4 and data4 with ZeRO-1, against AdamW fsdp4 and data4 +
+#     ZeRO-1
+#   bias correction with microbatches on the fsdp axis (adamw_bc LOO, sophia_bc), against
+#     AdamW fsdp4 with one microbatch
+#   a profile on 4 GPUs (benchmarks/profile_step.py): Shampoo fsdp4 TF32 over 10 steps, one of
+#     them a root step
+#   the GPU's own compiled Shampoo program (benchmarks/shampoo_step_anatomy.py, compile only)
 #
 # Every number has its same-run baseline in the same table (benchmarks/mesh_throughput.py:
 # "vs one GPU", "vs 1 GPU/GPU-batch", "vs adamw step", "vs adamw token", "same micro").
@@ -125,16 +125,35 @@ if [ "$PLAN" = full ]; then
   mt mesh_bc 110 "data4+b64+m4+optadamw_bc+ecrossfit=loo,data4+b32+m2+optsophia_bc"
   mt mesh_extra 100 "fsdp4+b64+m1+optshampoo,data2+b64+m1,data2+b64+m1+optshampoo"
 elif [ "$PLAN" = open ]; then
-  Q=pqwen2.5-0.5b
-  V=evmap_microbatches=true
   TF32=ematmul_precision=default+estats_precision=default
-  mt unroll_1gpu 170 "data1+b16+m1+seq1024+u1+$Q,data1+b16+m1+seq1024+u12+$Q,\
-data1+b16+m1+seq1024+u0+$Q,data1+b64+m4" --parallel-single 4
-  mt qwen_fsdp4 200 "fsdp4+m1+$Q+fit$FIT,fsdp4+b64+m1+$Q" --same-process
-  mt bc_zero 80 "fsdp4+b64+m1,data4+b64+m1+zero,data4+b64+m4+optadamw_bc+$V+zero,\
-data4+b32+m4+optsophia_bc+$V+zero" --same-process
-  CUDA_VISIBLE_DEVICES=0 mt shampoo_m1 60 "data1+b64+m1,data1+b64+m1+optshampoo,\
-data1+b64+m1+optshampoo+$TF32" --same-process --steps "$LONG"
+  mt shampoo_4gpu 80 "fsdp4+b64+m1,fsdp4+b64+m1+optshampoo+$TF32,\
+data4+b64+m1+optshampoo+zero+$TF32,data4+b64+m1+zero" \
+    --same-process --steps "$LONG"
+  V=evmap_microbatches=true
+  mt bc_fsdp 80 "fsdp4+b64+m1,fsdp4+b64+m4+optadamw_bc+$V,fsdp4+b32+m4+optsophia_bc+$V" \
+    --same-process
+  prof() {  # profile_step NAME ARGS...: all GPUs, if time is left
+    local name=$1; shift
+    if [ "$(left)" -le 60 ]; then log "profile $name: skipped (time budget)"; return; fi
+    log "profile $name: $*"
+    timeout --kill-after=5 $(( DEADLINE - SECONDS )) $PY benchmarks/profile_step.py "$@" \
+      > "$OUT/profile_$name.txt" 2>&1
+    log "profile $name: exit $?"
+  }
+  if [ "$DRY" = 1 ]; then  # 4 simulated CPU devices
+    export XLA_FLAGS="--xla_force_host_platform_device_count=4 ${XLA_FLAGS:-}"
+    P=(--preset tiny --batch 16 --seq 32 --unroll 1 --warmup 1)
+  else P=(--batch 64); fi
+  prof shampoo_fsdp4 "${P[@]}" --steps 10 --set mesh.data=1 --set mesh.fsdp=4 \
+    --set optimizer.name=shampoo --set optimizer.extra.matmul_precision=default \
+    --set optimizer.extra.stats_precision=default
+  if [ "$(left)" -gt 60 ]; then
+    log "shampoo anatomy"
+    if [ "$DRY" = 1 ]; then A=(--quick); else A=(--configs data1,data1+optshampoo,fsdp4+optshampoo); fi
+    timeout --kill-after=5 $(( DEADLINE - SECONDS )) $PY benchmarks/shampoo_step_anatomy.py \
+      "${A[@]}" > "$OUT/shampoo_anatomy.txt" 2>&1
+    log "shampoo anatomy: exit $?"
+  fi
 else
   Q=pqwen2.5-0.5b
   # the fit row first: it compiles at 8 and 16 per GPU (8 is cached for the check row) and

@@ -185,18 +185,18 @@ def param_shardings(mesh: Mesh, params_shape: Any, rules: Callable) -> Any:
       params_shape)
 
 
-def _with_data(mesh: Mesh, sh: NamedSharding, shape: tuple) -> NamedSharding:
-  """``sh`` further split over ``data``: on the first dimension no axis splits that ``data``
-  divides, else the first split one whose shard ``data`` divides; unchanged when none does
-  (or ``sh`` already uses ``data``)."""
-  n = int(mesh.shape["data"])
+def _with_data(mesh: Mesh, sh: NamedSharding, shape: tuple, axis: str = "data") -> NamedSharding:
+  """``sh`` further split over ``axis`` (``data``): on the first dimension no axis splits that
+  ``axis`` divides, else the first split one whose shard ``axis`` divides; unchanged when none
+  does (or ``sh`` already uses ``axis``)."""
+  n = int(mesh.shape[axis])
   spec = list(sh.spec) + [None] * (len(shape) - len(sh.spec))
   used = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
-  if n == 1 or any("data" in u for u in used):
+  if n == 1 or any(axis in u for u in used):
     return sh
   for i in sorted(range(len(shape)), key=lambda i: bool(used[i])):  # unsplit dimensions first
     if shape[i] % (n * int(np.prod([mesh.shape[a] for a in used[i]]))) == 0:
-      spec[i] = (*used[i], "data") if used[i] else "data"
+      spec[i] = (*used[i], axis) if used[i] else axis
       return NamedSharding(mesh, P(*spec))
   return sh
 
@@ -214,19 +214,20 @@ def optimizer_shardings(mesh: Mesh, params_shape: Any, param_sh: Any, shard: boo
   return jax.tree.map(lambda x, sh: _with_data(mesh, sh, tuple(x.shape)), params_shape, param_sh)
 
 
-def spread_stacked(tree: Any, params: Any, param_sh: Any, mesh: Mesh) -> Any:
+def spread_stacked(tree: Any, params: Any, param_sh: Any, mesh: Mesh, axis: str = "data") -> Any:
   """Inside jit: stacked per-microbatch outputs ``[m, ...]`` (the microbatch axis split over
-  ``data``) resharded so that each device holds all m microbatches of one slice of every leaf:
-  a leaf mirroring a parameter takes that parameter's ZeRO-1 layout (``_with_data``: the
+  ``axis``) resharded so that each device holds all m microbatches of one slice of every leaf:
+  a leaf mirroring a parameter takes that parameter's layout split over ``axis`` too
+  (``_with_data``: for ``data`` the ZeRO-1 layout, for ``fsdp`` the parameter's own; the
   optimizer then updates its slice in place), any other leaf its first dimension that
-  ``data`` divides (replicated when none does). One all-to-all per leaf."""
+  ``axis`` divides (replicated when none does). One all-to-all per leaf."""
   pick = _mirror(params, param_sh)
   replicated = NamedSharding(mesh, P())
 
   def one(path, x):
     shape = tuple(x.shape[1:])
     base = pick(path, jax.ShapeDtypeStruct(shape, x.dtype)) or replicated
-    spec = _with_data(mesh, base, shape).spec
+    spec = _with_data(mesh, base, shape, axis).spec
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, *spec)))
 
   return jax.tree_util.tree_map_with_path(one, tree)

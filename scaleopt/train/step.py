@@ -79,16 +79,20 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
     on_slices = lambda t: jax.lax.with_sharding_constraint(t, update_sh)
 
   mesh = getattr(model, "mesh", None)
-  split = mesh is not None and mesh.shape.get("data", 1) > 1
+  # vmapped microbatches: each device of the data axis (else of the fsdp axis) computes its
+  # own; their statistics are folded in slices (the parameters' layout split over that axis)
+  # after one all-to-all
+  axis = next((a for a in ("data", "fsdp") if mesh is not None and mesh.shape.get(a, 1) > 1),
+              None)
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng, key = jax.random.split(state.rng)
-    mb_axis = None  # vmapped microbatches: each data-parallel device computes its own, and
-    if split:       # their statistics are folded in slices (ZeRO-1 layout) after an all-to-all
+    mb_axis = None
+    if axis is not None:
       spread = None if param_sh is None else (
-          lambda t: mesh_lib.spread_stacked(t, state.params, param_sh, mesh))
-      mb_axis = optim.MicrobatchAxis("data", int(mesh.shape["data"]),
-                                     lambda: models.sharding.microbatch_axis("data"), mesh,
+          lambda t: mesh_lib.spread_stacked(t, state.params, param_sh, mesh, axis))
+      mb_axis = optim.MicrobatchAxis(axis, int(mesh.shape[axis]),
+                                     lambda: models.sharding.microbatch_axis(axis), mesh,
                                      spread)
     # statistics folded in slices read the state and stay where they are
     sliced = mb_axis is not None and optim.collector_spec(state.opt_state).vmap
