@@ -409,18 +409,17 @@ class MicrobatchAxis(NamedTuple):
 
   With ``vmap_microbatches`` and m divisible by ``size``, the microbatch axis is split over the
   mesh axis ``name`` (``jax.vmap``'s ``spmd_axis_name``): each device computes the gradients
-  of its own m / size microbatches, the forward and backward passes communicate nothing but
-  the token ids' move to their devices, and the statistics over microbatches are sums over the
-  split axis (all-reduces: one per sum, two for a Welford variance) instead of a scan over
-  gathered gradients. ``context()`` is entered while the
-  microbatch function traces (the model's own constraints then leave ``name`` to the
-  microbatch axis). Where m is not divisible the microbatches are vmapped unsplit.
+  of its own m / size microbatches, and the forward and backward passes communicate nothing
+  but the token ids' move to their devices. ``context()`` is entered while the microbatch
+  function traces (the model's own constraints then leave ``name`` to the microbatch axis).
+  Where m is not divisible the microbatches are vmapped unsplit.
 
-  ``spread`` (optional) reshards stacked per-microbatch outputs ``[m, ...]`` so that every
-  device holds all m microbatches of its slice of each leaf (an all-to-all). The statistics
-  are then folded on the slices with the ordinary scan, locally: instead of an all-reduce per
-  parameter-sized sum (the gradient, each fold term, a Welford mean and M2 one after another),
-  one all-to-all of the gradients, and the optimizer can update its slice in place (ZeRO-1).
+  ``spread`` reshards the stacked per-microbatch outputs ``[m, ...]`` so that every device
+  holds all m microbatches of its slice of each leaf (an all-to-all); the statistics are then
+  folded on the slices with the ordinary scan, locally, and the optimizer can update its
+  slice in place (ZeRO-1). Without ``spread`` the statistics are sums over the split axis:
+  an all-reduce per parameter-sized sum (the gradient, each fold term, a Welford mean, then
+  its M2).
   """
   name: str
   size: int

@@ -220,7 +220,8 @@ def spread_stacked(tree: Any, params: Any, param_sh: Any, mesh: Mesh, axis: str 
   a leaf mirroring a parameter takes that parameter's layout split over ``axis`` too
   (``_with_data``: for ``data`` the ZeRO-1 layout, for ``fsdp`` the parameter's own; the
   optimizer then updates its slice in place), any other leaf its first dimension that
-  ``axis`` divides (replicated when none does). One all-to-all per leaf."""
+  ``axis`` divides. One all-to-all per leaf that splits; a leaf with no such dimension
+  (scalars: losses, counts) is all-gathered whole, all m of it on every device."""
   pick = _mirror(params, param_sh)
   replicated = NamedSharding(mesh, P())
 

@@ -55,6 +55,26 @@ def _lr_step(state: TrainState) -> jax.Array:
   return state.step if count is None else count
 
 
+def _device_microbatches(mesh, axis: Any, params: Any, param_sh: Any,
+                         spread: list) -> Any:
+  """Where vmapped microbatches live (``optim.MicrobatchAxis``): one per device of the mesh's
+  ``data`` axis, else of its ``fsdp`` axis (None: neither has more than one device). Their
+  stacked outputs move once, by an all-to-all, into slices of the parameters' layout split
+  over that axis (``mesh.spread_stacked``), where the statistics are folded; each such move
+  appends to ``spread`` while tracing. Without ``param_sh`` the statistics are sums over the
+  axis instead."""
+  if axis is None:
+    return None
+
+  def to_slices(tree):
+    spread.append(True)
+    return mesh_lib.spread_stacked(tree, params, param_sh, mesh, axis)
+
+  return optim.MicrobatchAxis(axis, int(mesh.shape[axis]),
+                              lambda: models.sharding.microbatch_axis(axis), mesh,
+                              None if param_sh is None else to_slices)
+
+
 def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
                     schedule: Callable, telemetry_every: int = 0, param_sh: Any = None,
                     update_sh: Any = None) -> Callable:
@@ -68,41 +88,33 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
   (the statistics) are pinned to ``param_sh``, so no sliced layout propagates into the forward
   and backward passes; the gradient and parameters the optimizer reads are then sliced to
   ``update_sh``, the update stays there, and the new parameters are all-gathered by the step's
-  output sharding. None: no constraints. Vmapped microbatches on a mesh with ``data`` > 1
-  run one per device and return their statistics in slices (``optim.MicrobatchAxis``,
-  ``mesh.spread_stacked``): those are not pinned."""
+  output sharding. None: no constraints. Vmapped microbatches split over the devices
+  (``_device_microbatches``) return their statistics in slices; those are not pinned, nor is
+  the state their folds read."""
   del spec
   if update_sh is None:
     pin, on_slices = (lambda t, params: t), (lambda t: t)
   else:
     pin = lambda t, params: mesh_lib.pin_to_params(t, params, param_sh)
     on_slices = lambda t: jax.lax.with_sharding_constraint(t, update_sh)
-
   mesh = getattr(model, "mesh", None)
-  # vmapped microbatches: each device of the data axis (else of the fsdp axis) computes its
-  # own; their statistics are folded in slices (the parameters' layout split over that axis)
-  # after one all-to-all
   axis = next((a for a in ("data", "fsdp") if mesh is not None and mesh.shape.get(a, 1) > 1),
               None)
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng, key = jax.random.split(state.rng)
-    mb_axis = None
-    if axis is not None:
-      spread = None if param_sh is None else (
-          lambda t: mesh_lib.spread_stacked(t, state.params, param_sh, mesh, axis))
-      mb_axis = optim.MicrobatchAxis(axis, int(mesh.shape[axis]),
-                                     lambda: models.sharding.microbatch_axis(axis), mesh,
-                                     spread)
-    # statistics folded in slices read the state and stay where they are
-    sliced = mb_axis is not None and optim.collector_spec(state.opt_state).vmap
-    keep = (lambda t, params: t) if sliced else pin
+    spread = []  # filled while collect traces, once per group folded in slices
+    mb_axis = _device_microbatches(mesh, axis, state.params, param_sh, spread)
+    sliced = (mb_axis is not None and mb_axis.spread is not None
+              and optim.collector_spec(state.opt_state).vmap
+              and batch["tokens"].shape[0] % mb_axis.size == 0)
     with models.sharding.constraints(mesh):  # optimizer work on the mesh
       stats = optim.collect(model.loss_fn, state.params, batch["tokens"],
-                            keep(state.opt_state, state.params),
+                            state.opt_state if sliced else pin(state.opt_state, state.params),
                             key=key, logits_fn=model.logits_fn,
                             b_microbatches=batch.get("b_tokens"), microbatch_axis=mb_axis)
-      stats = keep(stats, state.params)
+      if not spread:
+        stats = pin(stats, state.params)
       params = on_slices(pin(state.params, state.params))
       updates, opt_state = tx.update(on_slices(stats.numerator), state.opt_state, params,
                                      bc_stats=stats)

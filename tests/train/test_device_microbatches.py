@@ -47,11 +47,14 @@ def collectives(hlo):
   return rows
 
 def run(vmap):
+  opt, _, crossfit = name.partition(":")  # e.g. adamw_bc:ab (two groups of m / 2)
   extra = {"vmap_microbatches": vmap} if vmap else {}
-  if name == "adamw_bc":
+  if crossfit:
+    extra["crossfit"] = crossfit
+  elif opt == "adamw_bc":
     extra["loo_passes"] = 1
   mesh = {"data": data, "fsdp": 8 // data, "shard_optimizer": zero}
-  raw = tiny_raw(mesh=mesh, optimizer={"name": name, "extra": extra},
+  raw = tiny_raw(mesh=mesh, optimizer={"name": opt, "extra": extra},
                  data={"batch_size": 64, "microbatches": 8})
   _, state, step, batches = compiled_steps(raw)
   for b in batches:
@@ -85,7 +88,8 @@ def _run(tmp_path, name, data, zero=False):
     ("adamw_bc", 8, True),
     pytest.param("sophia_bc", 8, False, marks=pytest.mark.slow),
     ("adamw_bc", 1, False),  # fsdp 8: the microbatches on the fsdp axis
-    pytest.param("adamw_bc", 2, False, marks=pytest.mark.slow)])  # data 2 x fsdp 4
+    pytest.param("adamw_bc", 2, False, marks=pytest.mark.slow),  # data 2 x fsdp 4
+    pytest.param("adamw_bc:ab", 4, True, marks=pytest.mark.slow)])  # groups of 4 on data 4
 def test_device_microbatches_equal_the_scan_without_per_microbatch_collectives(
     tmp_path, name, data, zero):
   ref, new, info = _run(tmp_path, name, data, zero)
@@ -95,8 +99,8 @@ def test_device_microbatches_equal_the_scan_without_per_microbatch_collectives(
     np.testing.assert_allclose(b, a, rtol=2e-4, atol=1e-6 * max(np.abs(a).max(), 1e-30))
   coll, pb = info["collectives"], info["param_bytes"]
   total = lambda op: sum(size for o, size, _ in coll if o == op)
-  if data == 2:
-    return  # data 2 x fsdp 4: the microbatches on data, each split over fsdp
+  if 1 < data < 8:
+    return  # data x fsdp: the microbatches on data, each split over fsdp
   assert total("all-reduce") <= 4096, "a parameter-sized all-reduce (scalars only: losses, norms)"
   assert total("all-to-all") > 0
   if data == 1:  # fsdp 8: the kernels' all-gathers live in the layer scan by design
