@@ -485,11 +485,9 @@ def fold_microbatches(fn: Callable, step: Callable, carry0, xs: PyTree, *, vmap:
     ax = _split_axis(m)
     if ax is not None and ax.spread is not None:
       ys = ax.spread(ys)
-      carry, _ = jax.lax.scan(lambda c, y: (step(c, y), None), carry0, ys)
-    elif reduce is not None and ax is not None:
-      carry = reduce(carry0, ys)
-    else:
-      carry, _ = jax.lax.scan(lambda c, y: (step(c, y), None), carry0, ys)
+    elif ax is not None and reduce is not None:
+      return reduce(carry0, ys), (keep(ys) if keep else None)
+    carry, _ = jax.lax.scan(lambda c, y: (step(c, y), None), carry0, ys)
     return carry, (keep(ys) if keep else None)
 
   def body(c, x):
