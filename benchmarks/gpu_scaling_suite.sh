@@ -38,6 +38,10 @@
 #   bash benchmarks/gpu_scaling_suite.sh OUT_DIR            (or OUT=OUT_DIR; default /tmp/gpu_suite)
 #   SUITE_PLAN=rerun bash benchmarks/gpu_scaling_suite.sh OUT_DIR
 #   SUITE_PLAN=open bash benchmarks/gpu_scaling_suite.sh OUT_DIR
+#   SUITE_PLAN=roots bash benchmarks/gpu_scaling_suite.sh OUT_DIR   (2 GPUs: root solvers,
+#       Shampoo on one GPU with eigh and Newton roots; then AdamW and Shampoo on 2 GPUs)
+#   SUITE_PLAN=two bash benchmarks/gpu_scaling_suite.sh OUT_DIR     (2 GPUs: the remaining
+#       Shampoo rows on 2 GPUs: data2 + ZeRO-1, Newton roots, no root steps)
 #   SCALEOPT_SUITE_DRY=1 [SUITE_PLAN=rerun] bash benchmarks/gpu_scaling_suite.sh OUT_DIR
 #       (CPU plumbing check: every configuration tiny, on simulated devices)
 #
@@ -56,8 +60,8 @@ PLAN=${SUITE_PLAN:-full}
 case "$PLAN" in
   full) BUDGET=${SUITE_BUDGET:-470}; DEADLINE=${SUITE_DEADLINE:-525} ;;
   rerun) BUDGET=${SUITE_BUDGET:-180}; DEADLINE=${SUITE_DEADLINE:-205} ;;
-  open) BUDGET=${SUITE_BUDGET:-470}; DEADLINE=${SUITE_DEADLINE:-525} ;;
-  *) echo "SUITE_PLAN=$PLAN: expected full, rerun or open" >&2; exit 2 ;;
+  open|roots|two) BUDGET=${SUITE_BUDGET:-470}; DEADLINE=${SUITE_DEADLINE:-525} ;;
+  *) echo "SUITE_PLAN=$PLAN: expected full, rerun, open, roots or two" >&2; exit 2 ;;
 esac
 DRY=${SCALEOPT_SUITE_DRY:-0}
 if [ "$DRY" = 1 ]; then  # slow CPU compiles: every configuration runs, whatever it takes
@@ -154,6 +158,27 @@ data4+b64+m1+optshampoo+zero+$TF32,data4+b64+m1+zero" \
       "${A[@]}" > "$OUT/shampoo_anatomy.txt" 2>&1
     log "shampoo anatomy: exit $?"
   fi
+elif [ "$PLAN" = roots ]; then
+  TF32=ematmul_precision=default+estats_precision=default
+  NT=eroot_method=newton+enewton_precision=TF32_TF32_F32
+  # the root-solver table on the second GPU while the one-GPU rows train on the first
+  if [ "$DRY" = 1 ]; then R=(--quick --steps 12); else R=(); fi
+  log "root solvers (GPU 1)"
+  ( CUDA_VISIBLE_DEVICES=1 timeout --kill-after=5 $(( DEADLINE - SECONDS )) $PY \
+      benchmarks/shampoo_roots.py "${R[@]}" --json "$OUT/roots.json" > "$OUT/roots.txt" 2>&1
+    log "root solvers: exit $?" ) &
+  RPID=$!
+  mt shampoo_1gpu 100 "data1+b64+m1,data1+b64+m1+optshampoo+$TF32,\
+data1+b64+m1+optshampoo+$TF32+$NT" --same-process --steps "$LONG"
+  wait $RPID
+  mt shampoo_2gpu 100 "fsdp2+b64+m1,data2+b64+m1+zero,fsdp2+b64+m1+optshampoo+$TF32" \
+    --same-process --steps "$LONG"
+elif [ "$PLAN" = two ]; then
+  TF32=ematmul_precision=default+estats_precision=default
+  NT=eroot_method=newton+enewton_precision=TF32_TF32_F32
+  mt shampoo_2gpu_more 100 "fsdp2+b64+m1,fsdp2+b64+m1+optshampoo+$TF32+$NT,\
+data2+b64+m1+optshampoo+zero+$TF32+$NT,data2+b64+m1+optshampoo+zero+$TF32,\
+fsdp2+b64+m1+optshampoo+$TF32+eroot_every=1000" --same-process --steps "$LONG"
 else
   Q=pqwen2.5-0.5b
   # the fit row first: it compiles at 8 and 16 per GPU (8 is cached for the check row) and

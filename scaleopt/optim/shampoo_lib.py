@@ -149,16 +149,30 @@ def root_from_eig(lam, q, var=None, *, correction_scale: float = 1.0, d_max: flo
   return jnp.matmul(q * d[..., None, :], jnp.swapaxes(q, -1, -2), precision=hp)
 
 
-def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 30):
+def _matrix_power(t, p: int, precision):
+  """t^p by repeated squaring (2 matmuls for p = 4)."""
+  out, sq = None, t
+  while p:
+    if p & 1:
+      out = sq if out is None else jnp.matmul(out, sq, precision=precision)
+    p >>= 1
+    if p:
+      sq = jnp.matmul(sq, sq, precision=precision)
+  return out
+
+
+def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 30,
+                        precision: str = "highest"):
   """(f + damping I)^{-1/p} by coupled Newton iterations (Higham 2008, eq. 7.18), batched.
 
   With A scaled by z = (1 + p) / (2 ||A||_F): M_0 = z A, X_0 = z^{1/p} I, and
   T_i = ((p + 1) I - M_i) / p,  X_{i+1} = X_i T_i,  M_{i+1} = T_i^p M_i;  X -> A^{-1/p}.
   Each matrix stops at its smallest error max|M_i - I| seen so far once the error grows
   (float32 round-off makes the iteration diverge on ill-conditioned inputs, as in
-  google-research's distributed Shampoo).
+  google-research's distributed Shampoo); the loop ends when every matrix of the batch has
+  stopped or after ``iters`` iterations. T^p is taken by squaring (2 + 2 matmuls per
+  iteration for p = 4), every matmul at ``precision`` (one of ``PRECISIONS``).
   """
-  hp = jax.lax.Precision.HIGHEST
   n = f.shape[-1]
   eye = jnp.eye(n, dtype=jnp.float32)
   a = _sym(f.astype(jnp.float32)) + damping * eye
@@ -168,21 +182,19 @@ def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 3
   x0 = jnp.broadcast_to(eye, a.shape) * z ** (1.0 / p)
   err = lambda m: jnp.max(jnp.abs(m - eye), axis=(-2, -1), keepdims=True)
 
-  def body(_, c):
-    x, m, e, done = c
+  def body(c):
+    i, x, m, e, done = c
     t = ((p + 1.0) * eye - m) / p
-    tp = t
-    for _ in range(p - 1):
-      tp = jnp.matmul(tp, t, precision=hp)
-    x_new, m_new = jnp.matmul(x, t, precision=hp), jnp.matmul(tp, m, precision=hp)
+    x_new = jnp.matmul(x, t, precision=precision)
+    m_new = jnp.matmul(_matrix_power(t, p, precision), m, precision=precision)
     e_new = err(m_new)
     done = done | ~(e_new < e * 1.2) | ~jnp.isfinite(e_new)
-    keep = done
-    return (jnp.where(keep, x, x_new), jnp.where(keep, m, m_new), jnp.where(keep, e, e_new),
-            done)
+    return (i + 1, jnp.where(done, x, x_new), jnp.where(done, m, m_new),
+            jnp.where(done, e, e_new), done)
 
+  cond = lambda c: (c[0] < iters) & ~jnp.all(c[4])
   done0 = jnp.zeros(norm.shape, bool)
-  x, _, _, _ = jax.lax.fori_loop(0, iters, body, (x0, m0, err(m0), done0))
+  _, x, _, _, _ = jax.lax.while_loop(cond, body, (0, x0, m0, err(m0), done0))
   return _sym(x)
 
 
@@ -524,8 +536,8 @@ def _init(params, exclude, eligible, block_size, graft, mu_dtype):
   return mu, jax.tree.unflatten(td, nu), factors
 
 
-def _roots(f, keys, pre, *, root_method, damping, floor, newton_iters, correction_scale,
-           d_max, eigh_implementation):
+def _roots(f, keys, pre, *, root_method, damping, floor, newton_iters, newton_precision,
+           correction_scale, d_max, eigh_implementation):
   """New P_L, P_R for every factor (batched over blocks and tensors of one size); with
   ``pre.eig_L`` (two-pass form) the collector's corrected eigenvalues."""
   if pre is not None and pre.eig_L is not None:
@@ -539,7 +551,7 @@ def _roots(f, keys, pre, *, root_method, damping, floor, newton_iters, correctio
       fn = lambda x: root_from_eig(*eigh_damped(x, damping, floor, eigh_implementation),
                                    d_max=d_max)
     else:
-      fn = lambda x: newton_inverse_root(x, damping, 4, newton_iters)
+      fn = lambda x: newton_inverse_root(x, damping, 4, newton_iters, newton_precision)
     out = _batched_by_size(mats, fn)
     pl, pr = ({k: out[(s, k)] for k in keys} for s in ("L", "R"))
   ok = lambda new, old: _on_owner(jnp.where(jnp.all(jnp.isfinite(new)), new, old))  # failed: keep
@@ -573,9 +585,10 @@ def _direction(g, mu, nu, f, blk, graft, adam, update_clip_fro, precision):
 
 def _validate(*, root_method, graft, stacked, block_size, stats_every, root_every, max_dim,
               newton_iters, mode, damping, matmul_precision, stats_precision,
-              eigh_implementation):
+              eigh_implementation, newton_precision):
   check_choice("root_method", root_method, ROOT_METHODS)
   check_choice("matmul_precision", matmul_precision, PRECISIONS)
+  check_choice("newton_precision", newton_precision, PRECISIONS)
   check_choice("stats_precision", stats_precision, PRECISIONS)
   check_choice("eigh_implementation", eigh_implementation, EIGH_IMPLEMENTATIONS)
   if eigh_implementation == "jacobi" and jax.default_backend() == "cpu":
@@ -631,6 +644,7 @@ def scale_by_shampoo(
     eig_floor_ratio: float = 1e-3,
     root_method: str = "eigh",
     newton_iters: int = 30,
+    newton_precision: str = "highest",
     graft: str = "adam",
     adam_b1: Optional[float] = None,
     adam_b2: Optional[float] = None,
@@ -663,7 +677,10 @@ def scale_by_shampoo(
     stats_every, root_every: statistics and root frequencies (BC modes take statistics on root
       steps only, from group B).
     damping, eig_floor_ratio: lambda and the eigenvalue floor eig_floor_ratio * lambda.
-    root_method: ``eigh`` (float32) or ``newton`` (coupled Newton, ``newton_iters``; std/cf).
+    root_method: ``eigh`` (float32) or ``newton`` (coupled Newton, at most ``newton_iters``
+      iterations; std/cf).
+    newton_precision: precision of the coupled Newton matmuls, one of ``PRECISIONS``
+      (docs/optim.md, Shampoo root solvers).
     graft: ``adam`` (default; per-block Frobenius norm of the Adam direction) or ``none``.
     adam_b1, adam_b2: the fallback AdamW's rates (the reference code's separate betas).
     update_clip_fro: if > 0, scale each preconditioned tensor's U to Frobenius norm <= c.
@@ -682,15 +699,15 @@ def scale_by_shampoo(
       pass with inputs rounded to 10 / 7 mantissa bits, about 3 / 2 significant digits per
       product, float32 accumulation; docs/optim.md, Shampoo matmul precision).
     stats_precision: precision of the statistics G G^T, G^T G (every stats_every steps, and
-      the collector's B-side statistics). Eigendecompositions, roots and the eigenvalue
-      variances always run in float32 at the highest precision.
+      the collector's B-side statistics). Eigendecompositions, eigenvector roots and the
+      eigenvalue variances always run in float32 at the highest precision.
     eigh_implementation: the eigendecomposition's solver, one of ``EIGH_IMPLEMENTATIONS``
       (None: the backend's default; "jacobi" needs a GPU).
   """
   _validate(root_method=root_method, graft=graft, stacked=stacked, block_size=block_size,
             stats_every=stats_every, root_every=root_every, max_dim=max_dim,
-            newton_iters=newton_iters, mode=mode, damping=damping,
-            matmul_precision=matmul_precision, stats_precision=stats_precision,
+            newton_iters=newton_iters, newton_precision=newton_precision, mode=mode,
+            damping=damping, matmul_precision=matmul_precision, stats_precision=stats_precision,
             eigh_implementation=eigh_implementation)
   spec = shampoo_collector_spec(mode, crossfit, root_every, block_size, stats_precision,
                                 eigh_implementation)
@@ -700,7 +717,8 @@ def scale_by_shampoo(
                 (("b2", b2), ("damping", damping), ("eig_floor_ratio", eig_floor_ratio))}
   root_kw = dict(root_method=root_method, damping=damping, floor=eig_floor_ratio * damping,
                  eigh_implementation=eigh_implementation,
-                 newton_iters=newton_iters, correction_scale=correction_scale, d_max=d_max)
+                 newton_iters=newton_iters, newton_precision=newton_precision,
+                 correction_scale=correction_scale, d_max=d_max)
 
   mu_dt = jnp.dtype(jnp.float32 if mu_dtype is None else mu_dtype)
   eligible = functools.partial(_eligible, stacked=stacked, min_dim=min_dim, max_dim=max_dim)
