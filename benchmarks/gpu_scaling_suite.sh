@@ -39,9 +39,11 @@
 #   SUITE_PLAN=rerun bash benchmarks/gpu_scaling_suite.sh OUT_DIR
 #   SUITE_PLAN=open bash benchmarks/gpu_scaling_suite.sh OUT_DIR
 #   SUITE_PLAN=roots bash benchmarks/gpu_scaling_suite.sh OUT_DIR   (2 GPUs: root solvers,
-#       Shampoo on one GPU with eigh and Newton roots; then AdamW and Shampoo on 2 GPUs)
-#   SUITE_PLAN=two bash benchmarks/gpu_scaling_suite.sh OUT_DIR     (2 GPUs: the remaining
-#       Shampoo rows on 2 GPUs: data2 + ZeRO-1, Newton roots, no root steps)
+#       Shampoo on one GPU with eigh and Newton roots; then AdamW and Shampoo on 2 GPUs: eigh,
+#       Newton roots, no root steps)
+#   SUITE_PLAN=two bash benchmarks/gpu_scaling_suite.sh OUT_DIR     (2 GPUs: root solvers at
+#       block 768 and Newton by iteration count; Shampoo at block 768 on 1 and 2 GPUs, data2 +
+#       ZeRO-1, no root steps)
 #   SCALEOPT_SUITE_DRY=1 [SUITE_PLAN=rerun] bash benchmarks/gpu_scaling_suite.sh OUT_DIR
 #       (CPU plumbing check: every configuration tiny, on simulated devices)
 #
@@ -171,13 +173,24 @@ elif [ "$PLAN" = roots ]; then
   mt shampoo_1gpu 100 "data1+b64+m1,data1+b64+m1+optshampoo+$TF32,\
 data1+b64+m1+optshampoo+$TF32+$NT" --same-process --steps "$LONG"
   wait $RPID
-  mt shampoo_2gpu 100 "fsdp2+b64+m1,data2+b64+m1+zero,fsdp2+b64+m1+optshampoo+$TF32" \
+  mt shampoo_2gpu 100 "fsdp2+b64+m1,data2+b64+m1+zero,fsdp2+b64+m1+optshampoo+$TF32,\
+fsdp2+b64+m1+optshampoo+$TF32+$NT,fsdp2+b64+m1+optshampoo+$TF32+eroot_every=1000" \
     --same-process --steps "$LONG"
 elif [ "$PLAN" = two ]; then
   TF32=ematmul_precision=default+estats_precision=default
-  NT=eroot_method=newton+enewton_precision=TF32_TF32_F32
-  mt shampoo_2gpu_more 100 "fsdp2+b64+m1,fsdp2+b64+m1+optshampoo+$TF32+$NT,\
-data2+b64+m1+optshampoo+zero+$TF32+$NT,data2+b64+m1+optshampoo+zero+$TF32,\
+  if [ "$DRY" = 1 ]; then R=(--quick --steps 12); else R=(); fi
+  log "root solvers at block 768, Newton by iteration count (GPU 1)"
+  ( CUDA_VISIBLE_DEVICES=1 timeout --kill-after=5 $(( DEADLINE - SECONDS )) $PY \
+      benchmarks/shampoo_roots.py "${R[@]}" --block 768 --json "$OUT/roots768.json" --solvers \
+      eigh,newton:TF32_TF32_F32:8,newton:TF32_TF32_F32:10,newton:TF32_TF32_F32:12,\
+newton:TF32_TF32_F32:15 > "$OUT/roots768.txt" 2>&1
+    log "root solvers: exit $?" ) &
+  RPID=$!
+  mt shampoo_1gpu_768 100 "data1+b64+m1,data1+b64+m1+optshampoo+$TF32+eblock_size=768" \
+    --same-process --steps "$LONG"
+  wait $RPID
+  mt shampoo_2gpu_more 100 "fsdp2+b64+m1,fsdp2+b64+m1+optshampoo+$TF32+eblock_size=768,\
+data2+b64+m1+optshampoo+zero+$TF32,data2+b64+m1+optshampoo+zero+$TF32+eblock_size=768,\
 fsdp2+b64+m1+optshampoo+$TF32+eroot_every=1000" --same-process --steps "$LONG"
 else
   Q=pqwen2.5-0.5b

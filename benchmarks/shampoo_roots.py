@@ -5,7 +5,8 @@
   PYTHONPATH=. python benchmarks/shampoo_roots.py --solvers eigh,newton:TF32_TF32_F32:20
 
 The factors are real: ``--steps`` steps of Shampoo (block ``--block``, statistics every step) on
-``optim_step_cost.py``'s GPT-2-small stand-in (random tokens, 4 x 8 x 1024 tokens per step);
+``optim_step_cost.py``'s GPT-2-small stand-in (byte tokens of the embedded corpus, 4 x 8 x 1024
+tokens per step);
 then every L and R of the state (all blocks of one size concatenated, as a root step batches
 them) goes to each solver on one device. A solver is ``eigh`` (``jax.lax.linalg.eigh``, the
 backend's default: cuSOLVER syevd on GPU), ``eigh-jacobi`` (GPU only) or
@@ -39,9 +40,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import optim_step_cost as osc  # noqa: E402
 from scaleopt.optim import build, collect  # noqa: E402
 from scaleopt.optim import shampoo_lib as S  # noqa: E402
+from scaleopt.train import data  # noqa: E402
 
-DEFAULT_SOLVERS = ("eigh,newton:highest:30,newton:TF32_TF32_F32:30,newton:TF32_TF32_F32:20,"
-                   "newton:BF16_BF16_F32_X3:30,newton:BF16_BF16_F32:30")
+DEFAULT_SOLVERS = ("eigh,newton:highest:30,newton:BF16_BF16_F32_X3:30,newton:TF32_TF32_F32:30,"
+                   "newton:TF32_TF32_F32:8,newton:BF16_BF16_F32:30")
 
 
 def train_factors(quick: bool, steps: int, block: int):
@@ -67,8 +69,11 @@ def train_factors(quick: bool, steps: int, block: int):
     u, st = tx.update(stats.numerator, st, p, bc_stats=stats)
     return optax.apply_updates(p, u), st, stats.loss
 
+  text = data.embedded_tokens("train")  # byte tokens: real text statistics
   for _ in range(steps):
-    tok = jnp.asarray(rng.integers(0, vocab, (m, mb_seqs, seq + 1)), jnp.int32)
+    start = rng.integers(0, len(text) - seq - 1, m * mb_seqs)
+    tok = jnp.asarray(np.stack([text[i:i + seq + 1] for i in start]).reshape(
+        m, mb_seqs, seq + 1), jnp.int32)
     params, st, loss = step(params, st, tok)
   sh = next(x for x in jax.tree.leaves(st, is_leaf=lambda x: isinstance(
       x, S.ScaleByShampooState)) if isinstance(x, S.ScaleByShampooState))
@@ -110,7 +115,7 @@ def rel(a, b, axes=(-2, -1)):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true")
-  ap.add_argument("--steps", type=int, default=30)
+  ap.add_argument("--steps", type=int, default=100)
   ap.add_argument("--block", type=int, default=512)
   ap.add_argument("--solvers", default=DEFAULT_SOLVERS)
   ap.add_argument("--repeats", type=int, default=5)

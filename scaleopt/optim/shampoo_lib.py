@@ -167,10 +167,11 @@ def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 3
 
   With A scaled by z = (1 + p) / (2 ||A||_F): M_0 = z A, X_0 = z^{1/p} I, and
   T_i = ((p + 1) I - M_i) / p,  X_{i+1} = X_i T_i,  M_{i+1} = T_i^p M_i;  X -> A^{-1/p}.
-  Each matrix stops at its smallest error max|M_i - I| seen so far once the error grows
+  Each matrix stops at its smallest error e_i = max|M_i - I| seen so far once the error grows
   (float32 round-off makes the iteration diverge on ill-conditioned inputs, as in
-  google-research's distributed Shampoo); the loop ends when every matrix of the batch has
-  stopped or after ``iters`` iterations. T^p is taken by squaring (2 + 2 matmuls per
+  google-research's distributed Shampoo), and once the error stalls in the quadratic phase
+  (e_i < 0.1 and e_{i+1} > e_i / 2: the round-off floor of ``precision``); the loop ends when
+  every matrix of the batch has stopped or after ``iters`` iterations. T^p is taken by squaring (2 + 2 matmuls per
   iteration for p = 4), every matmul at ``precision`` (one of ``PRECISIONS``).
   """
   n = f.shape[-1]
@@ -188,9 +189,10 @@ def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 3
     x_new = jnp.matmul(x, t, precision=precision)
     m_new = jnp.matmul(_matrix_power(t, p, precision), m, precision=precision)
     e_new = err(m_new)
-    done = done | ~(e_new < e * 1.2) | ~jnp.isfinite(e_new)
-    return (i + 1, jnp.where(done, x, x_new), jnp.where(done, m, m_new),
-            jnp.where(done, e, e_new), done)
+    take = ~done & (e_new < e * 1.2)  # False for NaN
+    stall = (e < 0.1) & (e_new > 0.5 * e)  # converging quadratically halves the error at least
+    return (i + 1, jnp.where(take, x_new, x), jnp.where(take, m_new, m),
+            jnp.where(take, e_new, e), done | ~take | stall)
 
   cond = lambda c: (c[0] < iters) & ~jnp.all(c[4])
   done0 = jnp.zeros(norm.shape, bool)
