@@ -38,9 +38,9 @@
 #   bash benchmarks/gpu_scaling_suite.sh OUT_DIR            (or OUT=OUT_DIR; default /tmp/gpu_suite)
 #   SUITE_PLAN=rerun bash benchmarks/gpu_scaling_suite.sh OUT_DIR
 #   SUITE_PLAN=open bash benchmarks/gpu_scaling_suite.sh OUT_DIR
-#   SUITE_PLAN=roots bash benchmarks/gpu_scaling_suite.sh OUT_DIR   (2 GPUs: root solvers,
-#       Shampoo on one GPU with eigh and Newton roots; then AdamW and Shampoo on 2 GPUs: eigh,
-#       Newton roots, no root steps)
+#   SUITE_PLAN=roots bash benchmarks/gpu_scaling_suite.sh OUT_DIR   (2 GPUs: root solvers;
+#       AdamW and Shampoo on 1 and 2 GPUs: eigh roots with TF32 matmuls, the defaults (Newton
+#       roots at "high"), the defaults with TF32 matmuls, no root steps)
 #   SUITE_PLAN=two bash benchmarks/gpu_scaling_suite.sh OUT_DIR     (2 GPUs: root solvers at
 #       block 768 and Newton by iteration count; Shampoo at block 768 on 1 and 2 GPUs, data2 +
 #       ZeRO-1, no root steps)
@@ -162,19 +162,23 @@ data4+b64+m1+optshampoo+zero+$TF32,data4+b64+m1+zero" \
   fi
 elif [ "$PLAN" = roots ]; then
   TF32=ematmul_precision=default+estats_precision=default
-  NT=eroot_method=newton+enewton_precision=TF32_TF32_F32
+  EIGH=eroot_method=eigh
   # the root-solver table on the second GPU while the one-GPU rows train on the first
+  # (SUITE_ROOTS=0 skips it)
   if [ "$DRY" = 1 ]; then R=(--quick --steps 12); else R=(); fi
-  log "root solvers (GPU 1)"
-  ( CUDA_VISIBLE_DEVICES=1 timeout --kill-after=5 $(( DEADLINE - SECONDS )) $PY \
-      benchmarks/shampoo_roots.py "${R[@]}" --json "$OUT/roots.json" > "$OUT/roots.txt" 2>&1
-    log "root solvers: exit $?" ) &
-  RPID=$!
-  mt shampoo_1gpu 100 "data1+b64+m1,data1+b64+m1+optshampoo+$TF32,\
-data1+b64+m1+optshampoo+$TF32+$NT" --same-process --steps "$LONG"
-  wait $RPID
-  mt shampoo_2gpu 100 "fsdp2+b64+m1,data2+b64+m1+zero,fsdp2+b64+m1+optshampoo+$TF32,\
-fsdp2+b64+m1+optshampoo+$TF32+$NT,fsdp2+b64+m1+optshampoo+$TF32+eroot_every=1000" \
+  RPID=
+  if [ "${SUITE_ROOTS:-1}" = 1 ]; then
+    log "root solvers (GPU 1)"
+    ( CUDA_VISIBLE_DEVICES=1 timeout --kill-after=5 $(( DEADLINE - SECONDS )) $PY \
+        benchmarks/shampoo_roots.py "${R[@]}" --json "$OUT/roots.json" > "$OUT/roots.txt" 2>&1
+      log "root solvers: exit $?" ) &
+    RPID=$!
+  fi
+  mt shampoo_1gpu 100 "data1+b64+m1,data1+b64+m1+optshampoo+$EIGH+$TF32,\
+data1+b64+m1+optshampoo,data1+b64+m1+optshampoo+$TF32" --same-process --steps "$LONG"
+  [ -n "$RPID" ] && wait $RPID
+  mt shampoo_2gpu 100 "fsdp2+b64+m1,fsdp2+b64+m1+optshampoo+$EIGH+$TF32,fsdp2+b64+m1+optshampoo,\
+fsdp2+b64+m1+optshampoo+$TF32,fsdp2+b64+m1+optshampoo+$TF32+eroot_every=1000" \
     --same-process --steps "$LONG"
 elif [ "$PLAN" = two ]; then
   TF32=ematmul_precision=default+estats_precision=default
