@@ -179,6 +179,11 @@ def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 3
   every matrix of the batch has stopped or after ``iters`` iterations. T^p is taken by squaring (2 + 2 matmuls per
   iteration for p = 4), every matmul at ``precision`` (one of ``PRECISIONS``).
   """
+  return _newton_loop(f, damping, p, iters, precision)[1]
+
+
+def _newton_loop(f, damping, p, iters, precision):
+  """(iterations run, X) of ``newton_inverse_root``."""
   n = f.shape[-1]
   eye = jnp.eye(n, dtype=jnp.float32)
   a = _sym(f.astype(jnp.float32)) + damping * eye
@@ -201,8 +206,8 @@ def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 3
 
   cond = lambda c: (c[0] < iters) & ~jnp.all(c[4])
   done0 = jnp.zeros(norm.shape, bool)
-  _, x, _, _, _ = jax.lax.while_loop(cond, body, (0, x0, m0, err(m0), done0))
-  return _sym(x)
+  i, x, _, _, _ = jax.lax.while_loop(cond, body, (0, x0, m0, err(m0), done0))
+  return i, _sym(x)
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -674,8 +679,8 @@ def scale_by_shampoo(
     crossfit: str = "ab",
     correction_scale: float = 1.0,
     mu_dtype: Optional[str] = None,
-    matmul_precision: str = "highest",
-    stats_precision: str = "highest",
+    matmul_precision: str = "high",
+    stats_precision: str = "high",
     eigh_implementation: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Shampoo's scaling with an AdamW fallback; see the module docstring.

@@ -312,3 +312,39 @@ def test_stacked_layers_equal_separate_matrices():
   for i in range(3):
     np.testing.assert_allclose(np.asarray(stacked["w"][i]), np.asarray(sep[f"w{i}"]),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_root_method_auto_resolves_by_backend_and_mode():
+  """``auto``: Newton on accelerators for the modes without an eigenvalue correction, eigh on
+  CPU and for inv/full; explicit choices pass through."""
+  r = S.resolve_root_method
+  assert [r("auto", "std", "gpu"), r("auto", "cf", "tpu")] == ["newton", "newton"]
+  assert [r("auto", "std", "cpu"), r("auto", "full", "gpu"), r("auto", "inv", "tpu")] == [
+      "eigh"] * 3
+  assert [r("eigh", "std", "gpu"), r("newton", "std", "cpu")] == ["eigh", "newton"]
+  with pytest.raises(ValueError, match="root_method must be 'eigh'"):
+    S.scale_by_shampoo(mode="full", root_method="newton")
+
+
+def test_matrix_power_by_squaring_matches_numpy():
+  rng = np.random.default_rng(0)
+  t = jnp.asarray(rng.normal(size=(3, 5, 5)) / 3, jnp.float32)
+  for p in (1, 2, 3, 4, 5, 8):
+    np.testing.assert_allclose(np.asarray(S._matrix_power(t, p, "highest")),
+                               np.linalg.matrix_power(np.asarray(t, np.float64), p),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_newton_root_stops_early_and_matches_eigh_root():
+  """The stall exit ends the loop before its cap on a well-conditioned batch, and the root
+  it returns is the float64 eigh root to float32 accuracy per coordinate."""
+  rng = np.random.default_rng(1)
+  g = rng.normal(size=(4, 16, 40))
+  f = np.einsum("nij,nkj->nik", g, g) / 40
+  w, v = np.linalg.eigh(f + 1e-3 * np.eye(16))
+  ref = (v * w[:, None, :] ** -0.25) @ np.swapaxes(v, -1, -2)
+  fx = jnp.asarray(f, jnp.float32)
+  capped = S.newton_inverse_root(fx, 1e-3, 4, 200)
+  np.testing.assert_allclose(np.asarray(capped), ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+  iters = jax.jit(lambda x: S._newton_loop(x, 1e-3, 4, 200, "highest")[0])(fx)
+  assert 5 <= int(iters) < 40

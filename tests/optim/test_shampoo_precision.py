@@ -38,14 +38,17 @@ def test_precisions_reach_their_dots_and_roots_stay_highest():
   params, grads = _problem()
   lowered = lambda **kw: jax.jit(S.scale_by_shampoo(block_size=64, **kw).update).lower(
       grads[0], S.scale_by_shampoo(block_size=64, **kw).init(params), params).as_text()
-  base = _dots(lowered())
+  base = _dots(lowered(matmul_precision="highest", stats_precision="highest"))
   assert base and all(d == ("HIGHEST", "") for d in base)
+  defaults = _dots(lowered())  # "high": statistics and P_L M P_R of 2 matrices
+  assert sum(d == ("HIGH", "") for d in defaults) == 8
+  assert sum(d == ("HIGHEST", "") for d in defaults) == len(base) - 8 > 0  # roots
   got = _dots(lowered(matmul_precision="BF16_BF16_F32", stats_precision="default"))
   assert len(got) == len(base)
   assert sum(a == BF16 for _, a in got) == 2 * 2  # P_L M P_R of 2 matrices
   assert sum(d == ("DEFAULT", "") for d in got) == 2 * 2  # G G^T, G^T G of 2 matrices
   assert sum(d == ("HIGHEST", "") for d in got) == len(base) - 8 > 0  # roots
-  only_stats = _dots(lowered(stats_precision="high"))
+  only_stats = _dots(lowered(matmul_precision="highest"))
   assert sum(p == "HIGH" for p, _ in only_stats) == 4
   assert sum(p == "HIGHEST" for p, _ in only_stats) == len(base) - 4
 
@@ -63,7 +66,9 @@ def test_collector_statistics_take_stats_precision():
     st = tx.init(params)
     return _dots(jax.jit(lambda s: so.collect(loss_fn, params, gs, s)).lower(st).as_text())
 
-  base, got = dots(), dots(stats_precision="BF16_BF16_F32")
+  base, got = dots(stats_precision="highest"), dots(stats_precision="BF16_BF16_F32")
+  assert sum(d == ("HIGH", "") for d in dots()) == 2  # the default "high"
+
   assert base and all(d == ("HIGHEST", "") for d in base)
   assert len(got) == len(base) and sum(a == BF16 for _, a in got) == 2  # G G^T, G^T G
   assert sum(d == ("HIGHEST", "") for d in got) == len(base) - 2 > 0
