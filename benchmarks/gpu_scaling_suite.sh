@@ -190,12 +190,14 @@ elif [ "$PLAN" = two ]; then
 newton:TF32_TF32_F32:15 > "$OUT/roots768.txt" 2>&1
     log "root solvers: exit $?" ) &
   RPID=$!
-  mt shampoo_1gpu_768 100 "data1+b64+m1,data1+b64+m1+optshampoo+$TF32+eblock_size=768" \
+  EIGH=eroot_method=eigh
+  mt shampoo_1gpu_768 100 "data1+b64+m1,data1+b64+m1+optshampoo+$EIGH+$TF32+eblock_size=768" \
     --same-process --steps "$LONG"
   wait $RPID
-  mt shampoo_2gpu_more 100 "fsdp2+b64+m1,fsdp2+b64+m1+optshampoo+$TF32+eblock_size=768,\
-data2+b64+m1+optshampoo+zero+$TF32,data2+b64+m1+optshampoo+zero+$TF32+eblock_size=768,\
-fsdp2+b64+m1+optshampoo+$TF32+eroot_every=1000" --same-process --steps "$LONG"
+  mt shampoo_2gpu_more 100 "fsdp2+b64+m1,fsdp2+b64+m1+optshampoo+$EIGH+$TF32+eblock_size=768,\
+data2+b64+m1+optshampoo+zero+$EIGH+$TF32,\
+data2+b64+m1+optshampoo+zero+$EIGH+$TF32+eblock_size=768,\
+fsdp2+b64+m1+optshampoo+$EIGH+$TF32+eroot_every=1000" --same-process --steps "$LONG"
 else
   Q=pqwen2.5-0.5b
   # the fit row first: it compiles at 8 and 16 per GPU (8 is cached for the check row) and

@@ -4,7 +4,8 @@
   PYTHONPATH=. python benchmarks/shampoo_roots.py --quick          # tiny model (CPU plumbing)
   PYTHONPATH=. python benchmarks/shampoo_roots.py --solvers eigh,newton:TF32_TF32_F32:20
 
-The factors are real: ``--steps`` steps of Shampoo (block ``--block``, statistics every step) on
+The factors are real: ``--steps`` steps of Shampoo (block ``--block``, statistics every step,
+eigh roots, float32 matmuls) on
 ``optim_step_cost.py``'s GPT-2-small stand-in (byte tokens of the embedded corpus, 4 x 8 x 1024
 tokens per step);
 then every L and R of the state (all blocks of one size concatenated, as a root step batches
@@ -56,7 +57,8 @@ def train_factors(quick: bool, steps: int, block: int):
   init, logits_fn, loss_fn = osc.model(vocab, d, layers, heads, seq)
   params = jax.jit(init)(jax.random.PRNGKey(0))
   cfg = dict(name="shampoo", learning_rate=3e-4, schedule={"kind": "constant"},
-             extra=dict(block_size=block, root_every=10, stats_every=1))
+             extra=dict(block_size=block, root_every=10, stats_every=1, root_method="eigh",
+                        matmul_precision="highest", stats_precision="highest"))
   tx, _ = build(cfg)
   st = jax.jit(tx.init)(params)
   rng = np.random.default_rng(0)

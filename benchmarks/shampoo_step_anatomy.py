@@ -45,9 +45,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import mesh_throughput as mt  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_CONFIGS = ("data1,data1+optshampoo,data1+optshampoo+ematmul_precision=default,"
+F32 = "+eroot_method=eigh+ematmul_precision=highest+estats_precision=highest"
+DEFAULT_CONFIGS = (f"data1,data1+optshampoo{F32},data1+optshampoo+ematmul_precision=default,"
                    "data1+optshampoo+ematmul_precision=default+estats_precision=default,"
-                   "fsdp4,fsdp4+optshampoo,"
+                   f"data1+optshampoo,fsdp4,fsdp4+optshampoo{F32},"
                    "fsdp4+optshampoo+ematmul_precision=default+estats_precision=default")
 ROOT_FUNCS = {"_roots", "_factor_pass", "_eig_variances", "eigh_damped", "root_from_eig",
               "newton_inverse_root", "_batched_by_size"}

@@ -172,11 +172,13 @@ def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 3
 
   With A scaled by z = (1 + p) / (2 ||A||_F): M_0 = z A, X_0 = z^{1/p} I, and
   T_i = ((p + 1) I - M_i) / p,  X_{i+1} = X_i T_i,  M_{i+1} = T_i^p M_i;  X -> A^{-1/p}.
-  Each matrix stops at its smallest error e_i = max|M_i - I| seen so far once the error grows
-  (float32 round-off makes the iteration diverge on ill-conditioned inputs, as in
-  google-research's distributed Shampoo), and once the error stalls in the quadratic phase
-  (e_i < 0.1 and e_{i+1} > e_i / 2: the round-off floor of ``precision``); the loop ends when
-  every matrix of the batch has stopped or after ``iters`` iterations. T^p is taken by squaring (2 + 2 matmuls per
+  The error e_i = ||M_i - I||_F bounds every eigenvalue's |m - 1|, and decreases at every
+  step in exact arithmetic. Each matrix keeps its last X with a smaller error and stops once
+  the error does not decrease (round-off: float32 makes the iteration diverge on
+  ill-conditioned inputs, as in google-research's distributed Shampoo) or stalls in the
+  quadratic phase (e_i < 0.1, where every eigenvalue converges quadratically, and
+  e_{i+1} > e_i / 2: the round-off floor of ``precision``); the loop ends when every matrix of
+  the batch has stopped or after ``iters`` iterations. T^p is taken by squaring (2 + 2 matmuls per
   iteration for p = 4), every matmul at ``precision`` (one of ``PRECISIONS``).
   """
   return _newton_loop(f, damping, p, iters, precision)[1]
@@ -191,7 +193,7 @@ def _newton_loop(f, damping, p, iters, precision):
   z = (1.0 + p) / (2.0 * norm)
   m0 = a * z
   x0 = jnp.broadcast_to(eye, a.shape) * z ** (1.0 / p)
-  err = lambda m: jnp.max(jnp.abs(m - eye), axis=(-2, -1), keepdims=True)
+  err = lambda m: jnp.sqrt(jnp.sum(jnp.square(m - eye), axis=(-2, -1), keepdims=True))
 
   def body(c):
     i, x, m, e, done = c
@@ -199,8 +201,8 @@ def _newton_loop(f, damping, p, iters, precision):
     x_new = jnp.matmul(x, t, precision=precision)
     m_new = jnp.matmul(_matrix_power(t, p, precision), m, precision=precision)
     e_new = err(m_new)
-    take = ~done & (e_new < e * 1.2)  # False for NaN
-    stall = (e < 0.1) & (e_new > 0.5 * e)  # converging quadratically halves the error at least
+    take = ~done & (e_new < e)  # False for NaN
+    stall = (e < 0.1) & (e_new > 0.5 * e)  # quadratic convergence at least halves the error
     return (i + 1, jnp.where(take, x_new, x), jnp.where(take, m_new, m),
             jnp.where(take, e_new, e), done | ~take | stall)
 
@@ -559,7 +561,8 @@ def _roots(f, keys, pre, *, root_method, damping, floor, newton_iters, newton_pr
     pr = {k: root(pre.eig_R[k], pre.var_R[k]) for k in keys}
   else:
     mats = {**{("L", k): f[k].L for k in keys}, **{("R", k): f[k].R for k in keys}}
-    if root_method == "eigh":
+    if resolve_root_method(root_method, d_max=d_max,
+                           eigh_implementation=eigh_implementation) == "eigh":
       fn = lambda x: root_from_eig(*eigh_damped(x, damping, floor, eigh_implementation),
                                    d_max=d_max)
     else:
@@ -616,13 +619,16 @@ def _validate(*, root_method, graft, stacked, block_size, stats_every, root_ever
     raise ValueError(f"damping={damping!r} must be > 0")
 
 
-def resolve_root_method(root_method: str, mode: str = "std",
-                        backend: Optional[str] = None) -> str:
-  """``auto`` -> ``eigh`` for the eigenvalue-correcting modes (inv, full) and on CPU, else
-  ``newton``; other values unchanged. ``backend``: default ``jax.default_backend()``."""
+def resolve_root_method(root_method: str, mode: str = "std", backend: Optional[str] = None,
+                        d_max: float = 0.0, eigh_implementation: Optional[str] = None) -> str:
+  """``auto`` -> ``eigh`` for the eigenvalue-correcting modes (inv, full), with ``d_max`` or
+  ``eigh_implementation`` set (options of the eigh path) and on CPU, else ``newton``; other
+  values unchanged. ``backend``: default ``jax.default_backend()``, read when the first step
+  is traced (not when the transform is built: a multi-process run initializes JAX's
+  distributed runtime after building its optimizer)."""
   if root_method != "auto":
     return root_method
-  if mode in ("inv", "full"):
+  if mode in ("inv", "full") or d_max > 0 or eigh_implementation is not None:
     return "eigh"
   return "eigh" if (backend or jax.default_backend()) == "cpu" else "newton"
 
@@ -733,7 +739,6 @@ def scale_by_shampoo(
             newton_iters=newton_iters, newton_precision=newton_precision, mode=mode,
             damping=damping, matmul_precision=matmul_precision, stats_precision=stats_precision,
             eigh_implementation=eigh_implementation)
-  root_method = resolve_root_method(root_method, mode)
   spec = shampoo_collector_spec(mode, crossfit, root_every, block_size, stats_precision,
                                 eigh_implementation)
   ab1 = b1 if adam_b1 is None else adam_b1

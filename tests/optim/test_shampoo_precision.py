@@ -36,8 +36,9 @@ def test_precisions_reach_their_dots_and_roots_stay_highest():
   """Two matrices: 2 statistics dots (G G^T, G^T G) and 2 preconditioner dots (P_L M, . P_R)
   each take their own option; the root dots stay HIGHEST."""
   params, grads = _problem()
-  lowered = lambda **kw: jax.jit(S.scale_by_shampoo(block_size=64, **kw).update).lower(
-      grads[0], S.scale_by_shampoo(block_size=64, **kw).init(params), params).as_text()
+  tx = lambda **kw: S.scale_by_shampoo(block_size=64, root_method="eigh", **kw)
+  lowered = lambda **kw: jax.jit(tx(**kw).update).lower(
+      grads[0], tx(**kw).init(params), params).as_text()
   base = _dots(lowered(matmul_precision="highest", stats_precision="highest"))
   assert base and all(d == ("HIGHEST", "") for d in base)
   defaults = _dots(lowered())  # "high": statistics and P_L M P_R of 2 matrices
@@ -68,7 +69,6 @@ def test_collector_statistics_take_stats_precision():
 
   base, got = dots(stats_precision="highest"), dots(stats_precision="BF16_BF16_F32")
   assert sum(d == ("HIGH", "") for d in dots()) == 2  # the default "high"
-
   assert base and all(d == ("HIGHEST", "") for d in base)
   assert len(got) == len(base) and sum(a == BF16 for _, a in got) == 2  # G G^T, G^T G
   assert sum(d == ("HIGHEST", "") for d in got) == len(base) - 2 > 0

@@ -261,3 +261,16 @@ def test_launch_variables_are_passed_explicitly():
   with pytest.raises(ConfigError, match="mesh.distributed=off, but JAX_NUM_PROCESSES=4"):
     maybe_initialize_distributed("off", env)
   assert not maybe_initialize_distributed("auto", {})  # a plain single-process run
+
+
+def test_loading_every_shipped_optimizer_config_leaves_jax_uninitialized():
+  """Config loading builds the optimizer; nothing in that may start a JAX backend, since a
+  multi-process run calls jax.distributed.initialize() after loading its config."""
+  code = ("import jax._src.xla_bridge as xb\n"
+          "from scaleopt.train.config import load_config\n"
+          "for name in ('shampoo', 'shampoo_bc', 'sophia_bc', 'adamw_bc', 'muon'):\n"
+          "  load_config('configs/train/tiny.yaml', [f'optimizer.name={name}'])\n"
+          "assert not xb.backends_are_initialized(), 'a JAX backend was initialized'\n")
+  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                     env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
