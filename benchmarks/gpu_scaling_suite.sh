@@ -109,6 +109,17 @@ mt() {
   log "$name: exit $?"
 }
 
+# benchmarks/shampoo_roots.py on GPU 1 in the background (OUT/NAME.txt, OUT/NAME.json)
+roots_bench() {
+  local name=$1; shift
+  local quick=(); [ "$DRY" = 1 ] && quick=(--quick --steps 12)
+  log "root solvers $name (GPU 1): $*"
+  ( CUDA_VISIBLE_DEVICES=1 timeout --kill-after=5 $(( DEADLINE - SECONDS )) $PY \
+      benchmarks/shampoo_roots.py "${quick[@]}" "$@" --json "$OUT/$name.json" \
+      > "$OUT/$name.txt" 2>&1
+    log "root solvers $name: exit $?" ) &
+}
+
 G=gpt2-small
 MEMPID=
 if [ "$PLAN" = full ]; then
@@ -165,15 +176,8 @@ elif [ "$PLAN" = roots ]; then
   EIGH=eroot_method=eigh
   # the root-solver table on the second GPU while the one-GPU rows train on the first
   # (SUITE_ROOTS=0 skips it)
-  if [ "$DRY" = 1 ]; then R=(--quick --steps 12); else R=(); fi
   RPID=
-  if [ "${SUITE_ROOTS:-1}" = 1 ]; then
-    log "root solvers (GPU 1)"
-    ( CUDA_VISIBLE_DEVICES=1 timeout --kill-after=5 $(( DEADLINE - SECONDS )) $PY \
-        benchmarks/shampoo_roots.py "${R[@]}" --json "$OUT/roots.json" > "$OUT/roots.txt" 2>&1
-      log "root solvers: exit $?" ) &
-    RPID=$!
-  fi
+  if [ "${SUITE_ROOTS:-1}" = 1 ]; then roots_bench roots; RPID=$!; fi
   mt shampoo_1gpu 100 "data1+b64+m1,data1+b64+m1+optshampoo+$EIGH+$TF32,\
 data1+b64+m1+optshampoo,data1+b64+m1+optshampoo+$TF32" --same-process --steps "$LONG"
   [ -n "$RPID" ] && wait $RPID
@@ -182,13 +186,8 @@ fsdp2+b64+m1+optshampoo+$TF32,fsdp2+b64+m1+optshampoo+$TF32+eroot_every=1000" \
     --same-process --steps "$LONG"
 elif [ "$PLAN" = two ]; then
   TF32=ematmul_precision=default+estats_precision=default
-  if [ "$DRY" = 1 ]; then R=(--quick --steps 12); else R=(); fi
-  log "root solvers at block 768, Newton by iteration count (GPU 1)"
-  ( CUDA_VISIBLE_DEVICES=1 timeout --kill-after=5 $(( DEADLINE - SECONDS )) $PY \
-      benchmarks/shampoo_roots.py "${R[@]}" --block 768 --json "$OUT/roots768.json" --solvers \
-      eigh,newton:TF32_TF32_F32:8,newton:TF32_TF32_F32:10,newton:TF32_TF32_F32:12,\
-newton:TF32_TF32_F32:15 > "$OUT/roots768.txt" 2>&1
-    log "root solvers: exit $?" ) &
+  roots_bench roots768 --block 768 --solvers eigh,newton:TF32_TF32_F32:8,\
+newton:TF32_TF32_F32:10,newton:TF32_TF32_F32:12,newton:TF32_TF32_F32:15
   RPID=$!
   EIGH=eroot_method=eigh
   mt shampoo_1gpu_768 100 "data1+b64+m1,data1+b64+m1+optshampoo+$EIGH+$TF32+eblock_size=768" \

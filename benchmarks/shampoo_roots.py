@@ -48,8 +48,9 @@ DEFAULT_SOLVERS = ("eigh,newton:highest:30,newton:BF16_BF16_F32_X3:30,newton:TF3
 
 
 def train_factors(quick: bool, steps: int, block: int):
-  """The Shampoo state after ``steps`` steps: {size: (L/R stack [N, s, s], momentum blocks or
-  None)}, damping and the eigenvalue floor."""
+  """Factors after ``steps`` steps: ({size: every L and R of that size stacked [N, s, s]},
+  [(momentum blocks, L, R) of the first 8 blocks of each tensor], damping, eigenvalue floor,
+  last loss)."""
   if quick:
     vocab, d, layers, heads, seq, mb_seqs, m = 512, 64, 2, 4, 64, 2, 4
   else:
@@ -85,12 +86,10 @@ def train_factors(quick: bool, steps: int, block: int):
     mats.setdefault(f.L.shape[-1], []).append(f.L)
     mats.setdefault(f.R.shape[-1], []).append(f.R)
   fac = {s: jnp.concatenate(v, 0) for s, v in mats.items()}
-  # momentum blocks with both factors, for the direction error: (M_b, L key, R key) per tensor
   dirs = [(S.to_blocks(mu[int(k)], S.blocking(mu[int(k)].shape, block))[:8], f.L[:8], f.R[:8])
           for k, f in sorted(sh.factors.items())]
-  hp = sh.hp
-  damping = float(hp["damping"])
-  return fac, dirs, damping, damping * float(hp["eig_floor_ratio"]), float(loss)
+  damping = float(sh.hp["damping"])
+  return fac, dirs, damping, damping * float(sh.hp["eig_floor_ratio"]), float(loss)
 
 
 def solver_fn(name: str, damping: float, floor: float):
@@ -112,6 +111,27 @@ def reference_root(f: np.ndarray, damping: float, floor: float) -> np.ndarray:
 
 def rel(a, b, axes=(-2, -1)):
   return np.sqrt(np.sum((a - b) ** 2, axes)) / np.sqrt(np.sum(b ** 2, axes))
+
+
+def measure(name, fn, fac, idx, ref, dsel, dref, repeats):
+  """One table row: median time of the batched root step and the errors against float64."""
+  step = jax.jit(lambda fs: S._batched_by_size(fs, fn))  # as a root step batches them
+  out = jax.block_until_ready(step(fac))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(fac))
+    times.append(time.perf_counter() - t0)
+  err = np.concatenate([rel(np.asarray(out[s])[idx[s]], ref[s]) for s in fac])
+  root1 = jax.jit(lambda x: S._batched_by_size({0: x}, fn)[0])
+  derr = []
+  for (mb, lf, rf), d_ref in zip(dsel, dref):
+    pl, pr = np.asarray(root1(lf), np.float64), np.asarray(root1(rf), np.float64)
+    derr.append(rel(pl @ np.asarray(mb, np.float64) @ pr, d_ref))
+  derr = np.concatenate(derr)
+  return dict(solver=name, ms=1e3 * float(np.median(times)), err_med=float(np.median(err)),
+              err_max=float(err.max()), dir_med=float(np.median(derr)),
+              dir_max=float(derr.max()))
 
 
 def main():
@@ -145,28 +165,12 @@ def main():
                      @ reference_root(np.asarray(rf), damping, floor)) for mb, lf, rf in dsel]
   rows = []
   for name in args.solvers.split(","):
-    fn = solver_fn(name, damping, floor)
-    step = jax.jit(lambda fs: S._batched_by_size(fs, fn))  # as a root step batches them
     try:
-      out = jax.block_until_ready(step(fac))
+      rows.append(measure(name, solver_fn(name, damping, floor), fac, idx, ref, dsel, dref,
+                          args.repeats))
     except Exception as e:  # keep going: one failing solver must not hide the others
       print(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
       continue
-    times = []
-    for _ in range(args.repeats):
-      t0 = time.perf_counter()
-      jax.block_until_ready(step(fac))
-      times.append(time.perf_counter() - t0)
-    err = np.concatenate([rel(np.asarray(out[s])[idx[s]], ref[s]) for s in fac])
-    root1 = jax.jit(lambda x: S._batched_by_size({0: x}, fn)[0])
-    derr = []
-    for (mb, lf, rf), d_ref in zip(dsel, dref):
-      pl, pr = np.asarray(root1(lf), np.float64), np.asarray(root1(rf), np.float64)
-      derr.append(rel(pl @ np.asarray(mb, np.float64) @ pr, d_ref))
-    derr = np.concatenate(derr)
-    rows.append(dict(solver=name, ms=1e3 * float(np.median(times)),
-                     err_med=float(np.median(err)), err_max=float(err.max()),
-                     dir_med=float(np.median(derr)), dir_max=float(derr.max())))
     print(f"{name:28s} {rows[-1]['ms']:9.2f} ms  root err med {rows[-1]['err_med']:.2e} max "
           f"{rows[-1]['err_max']:.2e}  direction err med {rows[-1]['dir_med']:.2e} max "
           f"{rows[-1]['dir_max']:.2e}", flush=True)
