@@ -41,6 +41,10 @@
 #   SUITE_PLAN=roots bash benchmarks/gpu_scaling_suite.sh OUT_DIR   (2 GPUs: root solvers;
 #       AdamW and Shampoo on 1 and 2 GPUs: eigh roots with TF32 matmuls, the defaults (Newton
 #       roots at "high"), the defaults with TF32 matmuls, no root steps)
+#   SUITE_PLAN=blocks bash benchmarks/gpu_scaling_suite.sh OUT_DIR  (2 GPUs: root solvers with
+#       the defaults; AdamW and Shampoo (defaults) on 1 GPU; then passes of AdamW fsdp2 and
+#       Shampoo fsdp2 with blocks in the FSDP order (default), in the stacked-layers order and
+#       without root steps, each pass one process per row, as many passes as the budget allows)
 #   SUITE_PLAN=two bash benchmarks/gpu_scaling_suite.sh OUT_DIR     (2 GPUs: root solvers at
 #       block 768 and Newton by iteration count; Shampoo at block 768 on 1 and 2 GPUs, data2 +
 #       ZeRO-1, no root steps)
@@ -62,8 +66,8 @@ PLAN=${SUITE_PLAN:-full}
 case "$PLAN" in
   full) BUDGET=${SUITE_BUDGET:-470}; DEADLINE=${SUITE_DEADLINE:-525} ;;
   rerun) BUDGET=${SUITE_BUDGET:-180}; DEADLINE=${SUITE_DEADLINE:-205} ;;
-  open|roots|two) BUDGET=${SUITE_BUDGET:-470}; DEADLINE=${SUITE_DEADLINE:-525} ;;
-  *) echo "SUITE_PLAN=$PLAN: expected full, rerun, open, roots or two" >&2; exit 2 ;;
+  open|roots|two|blocks) BUDGET=${SUITE_BUDGET:-470}; DEADLINE=${SUITE_DEADLINE:-525} ;;
+  *) echo "SUITE_PLAN=$PLAN: expected full, rerun, open, roots, two or blocks" >&2; exit 2 ;;
 esac
 DRY=${SCALEOPT_SUITE_DRY:-0}
 if [ "$DRY" = 1 ]; then  # slow CPU compiles: every configuration runs, whatever it takes
@@ -184,6 +188,18 @@ data1+b64+m1+optshampoo,data1+b64+m1+optshampoo+$TF32" --same-process --steps "$
   mt shampoo_2gpu 100 "fsdp2+b64+m1,fsdp2+b64+m1+optshampoo+$EIGH+$TF32,fsdp2+b64+m1+optshampoo,\
 fsdp2+b64+m1+optshampoo+$TF32,fsdp2+b64+m1+optshampoo+$TF32+eroot_every=1000" \
     --same-process --steps "$LONG"
+elif [ "$PLAN" = blocks ]; then
+  RPID=
+  if [ "${SUITE_ROOTS:-1}" = 1 ]; then
+    roots_bench roots --solvers eigh,newton:high:30,newton:TF32_TF32_F32:8; RPID=$!
+  fi
+  mt shampoo_1gpu 100 "data1+b64+m1,data1+b64+m1+optshampoo" --same-process --steps "$LONG"
+  [ -n "$RPID" ] && wait $RPID
+  for pass in 1 2 3; do
+    mt "blocks_2gpu_$pass" 100 "fsdp2+b64+m1,fsdp2+b64+m1+optshampoo,\
+fsdp2+b64+m1+optshampoo+eblock_major=layers,fsdp2+b64+m1+optshampoo+eroot_every=1000" \
+      --same-process --steps "$LONG"
+  done
 elif [ "$PLAN" = two ]; then
   TF32=ematmul_precision=default+estats_precision=default
   roots_bench roots768 --block 768 --solvers eigh,newton:TF32_TF32_F32:8,\

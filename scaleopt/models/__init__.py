@@ -19,8 +19,8 @@ from scaleopt.models.accounting import (PEAK_FLOPS, count_params, flops_per_toke
                                         matmul_params_per_token, mfu)
 from scaleopt.models.config import VARIANTS, ModelConfig
 from scaleopt.models.fold import fold_scales
-from scaleopt.models.masks import (POLICIES, ROLES, is_embedding, logical_specs, param_roles,
-                                   partition_rules, role_of, weight_decay_mask)
+from scaleopt.models.masks import (POLICIES, ROLES, fsdp_dims, is_embedding, logical_specs,
+                                   param_roles, partition_rules, role_of, weight_decay_mask)
 from scaleopt.models.presets import PRESETS, get_preset
 from scaleopt.models.loss import head_loss, head_nll
 from scaleopt.models.transformer import Transformer, functional, functional_loss, lm_loss
@@ -29,6 +29,6 @@ __all__ = [
     "ModelConfig", "VARIANTS", "PRESETS", "get_preset", "Transformer", "functional", "lm_loss",
     "functional_loss", "head_loss", "head_nll",
     "param_roles", "role_of", "is_embedding", "weight_decay_mask", "POLICIES", "ROLES",
-    "partition_rules", "logical_specs", "count_params", "flops_per_token",
+    "partition_rules", "logical_specs", "fsdp_dims", "count_params", "flops_per_token",
     "matmul_params_per_token", "mfu", "PEAK_FLOPS", "fold_scales", "sharding",
 ]

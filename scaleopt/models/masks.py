@@ -146,3 +146,16 @@ def logical_specs(cfg: ModelConfig, params: Any) -> Any:
   """The pytree of logical axis tuples for ``params`` (arrays or ShapeDtypeStructs)."""
   spec = partition_rules(cfg)
   return jax.tree_util.tree_map_with_path(lambda p, x: spec(p, x.shape), params)
+
+
+def fsdp_dims(params: Any) -> Any:
+  """Per tensor the dim that the ``fsdp`` logical axis (the model dimension d) splits, as a
+  negative index, or None (a tree of ints and Nones shaped like ``params``). Shampoo orders its
+  blocks by it (``scaleopt.optim.shampoo_lib.Blocking``)."""
+  spec = partition_rules(None)
+
+  def dim(path, x):
+    s = spec(path, x.shape)
+    return s.index("fsdp") - len(s) if "fsdp" in s else None
+
+  return jax.tree_util.tree_map_with_path(dim, params)

@@ -12,7 +12,9 @@ tells the train step's data pipeline its layout. The train step calls
 
 Registry (levanter's registered optimizer configs are the model): ``register_optimizer(name,
 factory)`` with ``factory(cfg: OptimizerConfig, learning_rate: schedule, *, wd_mask,
-sparse_filter) -> GradientTransformation``. The shipped names register the same way below.
+sparse_filter) -> GradientTransformation``; a factory that also takes a ``shard_dims`` keyword
+gets the model's FSDP dims (``build``'s argument). The shipped names register the same way
+below.
 
 Config: a plain dict or an ``OptimizerConfig``. Keys: ``name``, ``learning_rate``,
 ``schedule`` (see ``scaleopt.optim.schedules``), ``clip_norm`` (0 = off), ``clip_numerator_only``
@@ -139,6 +141,7 @@ def _num(name, v, lo=None, hi=None, hi_open=False):
 def build(config: Union[Mapping[str, Any], OptimizerConfig], *,
           wd_mask: Optional[Union[PyTree, Callable[[PyTree], PyTree]]] = None,
           sparse_filter: Optional[Callable[[PyTree], PyTree]] = None,
+          shard_dims: Optional[Callable[[PyTree], PyTree]] = None,
           ) -> tuple[optax.GradientTransformationExtraArgs, CollectorSpec]:
   """(tx, spec) for an optimizer config.
 
@@ -149,6 +152,10 @@ def build(config: Union[Mapping[str, Any], OptimizerConfig], *,
     sparse_filter: callable params -> pytree of bools marking sparse-support tensors
       (embeddings). ``adamw_bc`` trains them with full-batch AdamW (no cross-fit); Shampoo
       keeps them on its AdamW fallback; Muon on Adam; Sophia ignores it.
+    shard_dims: callable params -> pytree giving per tensor the dim a mesh's ``fsdp`` axis
+      splits, or None (``scaleopt.models.fsdp_dims``); passed to factories that take a
+      ``shard_dims`` keyword (Shampoo orders its blocks by it unless ``extra.block_major`` is
+      ``layers``).
 
   Returns:
     tx: ``optax.GradientTransformationExtraArgs``; spec: ``collector_spec(tx)``.
@@ -160,10 +167,13 @@ def build(config: Union[Mapping[str, Any], OptimizerConfig], *,
   alias_cfg = dataclasses.replace(cfg, extra={k: v for k, v in cfg.extra.items()
                                               if k not in COLLECTOR_KEYS})
 
+  factory = _REGISTRY[cfg.name].factory
+  layout = ({"shard_dims": shard_dims}
+            if "shard_dims" in inspect.signature(factory).parameters else {})
+
   def make(wd_mask, sparse_filter):
     try:
-      inner = _REGISTRY[cfg.name].factory(alias_cfg, lr, wd_mask=wd_mask,
-                                          sparse_filter=sparse_filter)
+      inner = factory(alias_cfg, lr, wd_mask=wd_mask, sparse_filter=sparse_filter, **layout)
     except TypeError as e:  # an ``extra`` key the alias does not take
       raise ValueError(f"optimizer.extra for name={cfg.name!r}: {e}") from None
     if opts:
@@ -227,10 +237,12 @@ register_optimizer("sophia_bc", _sophia_factory(sophia_lib.sophia_bc),
 
 
 def _shampoo_factory(alias):
-  def factory(cfg, lr, *, wd_mask, sparse_filter):
+  def factory(cfg, lr, *, wd_mask, sparse_filter, shard_dims=None):
     ex = dict(cfg.extra)
     if sparse_filter is not None:
       ex.setdefault("exclude", sparse_filter)
+    if shard_dims is not None:
+      ex.setdefault("block_major", shard_dims)
     return alias(lr, **cfg.betas(), weight_decay=cfg.weight_decay, mask=wd_mask, **ex)
   return factory
 

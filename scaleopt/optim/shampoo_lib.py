@@ -80,45 +80,69 @@ PRECISIONS = ("highest", "high", "default", "F32_F32_F32", "TF32_TF32_F32", "BF1
 
 # ----------------------------------------------------------------------------- blocking
 
-def blocking(shape: tuple[int, ...], block_size: int) -> tuple[int, int, int, int]:
-  """(nb1, bs1, nb2, bs2) of the last two dims: dim d is split into nb = ceil(d / block_size)
+class Blocking(NamedTuple):
+  """How a tensor ``(..., d1, d2)`` is cut: ``nb`` blocks of size ``bs`` along each of its last
+  two dims, and ``major``, the order of the blocks on the block axis: ``None`` (stacked layers
+  lead: ``(n, nb1, nb2)``), ``-2`` (row blocks lead: ``(nb1, n, nb2)``) or ``-1`` (column
+  blocks lead: ``(nb2, n, nb1)``). With ``major`` the dim a mesh axis splits (FSDP's model
+  dimension), the block axis split evenly over that axis gives every device the blocks of the
+  rows (columns) it already holds whenever the axis size divides ``nb`` and the dim needs no
+  padding: blocking, P_L M P_R and unblocking then move no data between devices."""
+  nb1: int
+  bs1: int
+  nb2: int
+  bs2: int
+  major: Optional[int] = None
+
+
+# block axes of (n, nb1, bs1, nb2, bs2) -> (block order..., bs1, bs2), per ``Blocking.major``
+_BLOCK_PERM = {None: (0, 1, 3, 2, 4), -2: (1, 0, 3, 2, 4), -1: (3, 0, 1, 2, 4)}
+MAJORS = tuple(_BLOCK_PERM)
+
+
+def blocking(shape: tuple[int, ...], block_size: int, major: Optional[int] = None) -> Blocking:
+  """The ``Blocking`` of the last two dims: dim d is split into nb = ceil(d / block_size)
   blocks of size ceil(d / nb) (the last padded with zeros when nb does not divide d)."""
+  if major not in _BLOCK_PERM:
+    raise ValueError(f"block major={major!r}; choose one of {MAJORS}")
   out = []
   for d in shape[-2:]:
     nb = max(1, math.ceil(d / block_size))
     out += [nb, math.ceil(d / nb)]
-  return tuple(out)
+  return Blocking(*out, major)
 
 
-def to_blocks(x: jax.Array, blk) -> jax.Array:
-  """(..., d1, d2) -> (n * nb1 * nb2, bs1, bs2), zero-padded; leading dims (stacked layers)
-  are a batch of n independent matrices."""
-  nb1, bs1, nb2, bs2 = blk
+def to_blocks(x: jax.Array, blk: Blocking) -> jax.Array:
+  """(..., d1, d2) -> (n * nb1 * nb2, bs1, bs2), zero-padded, in ``blk.major``'s order; leading
+  dims (stacked layers) are a batch of n independent matrices."""
+  nb1, bs1, nb2, bs2, major = blk
   d1, d2 = x.shape[-2:]
   x = x.reshape(-1, d1, d2)
   x = jnp.pad(x, ((0, 0), (0, nb1 * bs1 - d1), (0, nb2 * bs2 - d2)))
   n = x.shape[0]
-  return x.reshape(n, nb1, bs1, nb2, bs2).transpose(0, 1, 3, 2, 4).reshape(
+  return x.reshape(n, nb1, bs1, nb2, bs2).transpose(_BLOCK_PERM[major]).reshape(
       n * nb1 * nb2, bs1, bs2)
 
 
-def from_blocks(xb: jax.Array, shape, blk) -> jax.Array:
+def from_blocks(xb: jax.Array, shape, blk: Blocking) -> jax.Array:
   """Inverse of ``to_blocks`` (drops the padding)."""
-  nb1, bs1, nb2, bs2 = blk
-  x = xb.reshape(-1, nb1, nb2, bs1, bs2).transpose(0, 1, 3, 2, 4).reshape(
-      -1, nb1 * bs1, nb2 * bs2)
-  return x[:, :shape[-2], :shape[-1]].reshape(shape)
+  nb1, bs1, nb2, bs2, major = blk
+  perm, dims = _BLOCK_PERM[major], (xb.shape[0] // (nb1 * nb2), nb1, bs1, nb2, bs2)
+  x = xb.reshape([dims[i] for i in perm]).transpose([perm.index(i) for i in range(5)])
+  return x.reshape(-1, nb1 * bs1, nb2 * bs2)[:, :shape[-2], :shape[-1]].reshape(shape)
 
 
-def block_norms(x: jax.Array, blk) -> jax.Array:
+def block_norms(x: jax.Array, blk: Blocking) -> jax.Array:
   """Frobenius norm of every block of ``x`` (..., d1, d2), shape (n * nb1 * nb2, 1, 1) in
   ``to_blocks`` order, without the block layout: a reshape and a sum over each block's rows
-  and columns (no transpose, and under a mesh only partial sums move between devices)."""
-  nb1, bs1, nb2, bs2 = blk
+  and columns (no transpose of the tensor, and under a mesh only partial sums move between
+  devices)."""
+  nb1, bs1, nb2, bs2, major = blk
   d1, d2 = x.shape[-2:]
   x = jnp.pad(x.reshape(-1, d1, d2), ((0, 0), (0, nb1 * bs1 - d1), (0, nb2 * bs2 - d2)))
   sq = jnp.sum(jnp.square(x.reshape(-1, nb1, bs1, nb2, bs2)), axis=(2, 4))
-  return jnp.sqrt(sq).reshape(-1, 1, 1)
+  order = [{0: 0, 1: 1, 3: 2}[i] for i in _BLOCK_PERM[major][:3]]
+  return jnp.sqrt(sq.transpose(order)).reshape(-1, 1, 1)
 
 
 def _gram(gb, precision="highest"):
@@ -224,11 +248,18 @@ def _mesh():
   return mesh if mesh is not None and mesh.size > 1 else None
 
 
-def block_axes(mesh, n: int) -> tuple:
-  """Mesh axes (of size > 1) over which a block axis of length ``n`` is split: all of them when
-  their product divides ``n``, else the subset with the largest product that does (empty:
-  replicated). One rule for the stored factors and the blocked momentum."""
+def _split_axes(mesh) -> list:
+  """The mesh axes of size > 1, ``fsdp`` first: a block axis split over them gives each FSDP
+  shard's rows to the devices that hold them (``Blocking.major``)."""
   axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+  return sorted(axes, key=lambda a: a != "fsdp")
+
+
+def block_axes(mesh, n: int) -> tuple:
+  """Mesh axes (of size > 1, ``fsdp`` first) over which a block axis of length ``n`` is split:
+  all of them when their product divides ``n``, else the subset with the largest product that
+  does (empty: replicated). One rule for the stored factors and the blocked momentum."""
+  axes = _split_axes(mesh)
   best, best_size = (), 1
   for mask in range(1, 2 ** len(axes)):
     sub = tuple(a for i, a in enumerate(axes) if mask >> i & 1)
@@ -259,7 +290,7 @@ def _divided(fn: Callable) -> Callable:
   mesh = _mesh()
   if mesh is None:
     return fn
-  axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+  axes = tuple(_split_axes(mesh))
   ndev = math.prod(mesh.shape[a] for a in axes)
 
   def run(x):
@@ -293,7 +324,7 @@ def _local_axes(arrs: list):
   mesh = _mesh()
   if mesh is None:
     return None
-  axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+  axes = tuple(_split_axes(mesh))
   return axes if all(block_axes(mesh, a.shape[0]) == axes for a in arrs) else None
 
 
@@ -392,28 +423,45 @@ def _check_int(name, v, lo=1):
 
 def shampoo_collector_spec(mode: str, crossfit: str, root_every: int, block_size: int,
                            stats_precision: str = "highest",
-                           eigh_implementation: Optional[str] = None) -> CollectorSpec:
+                           eigh_implementation: Optional[str] = None,
+                           block_major: Optional[Callable] = None) -> CollectorSpec:
   """The estimator pass these settings need (``std``: the plain collector); the B-side
   statistics G_j G_j^T, G_j^T G_j take ``stats_precision``, the two-pass eigendecomposition
-  ``eigh_implementation``."""
+  ``eigh_implementation``, the blocks ``block_major``'s order."""
   check_choice("mode", mode, MODES)
   check_choice("crossfit", crossfit, CROSSFITS)
   if mode == "std":
     return CollectorSpec(layout=None)
   layout = "all" if mode == "inv" else crossfit
   opts = (("two_pass", mode in ("inv", "full")), ("block_size", block_size),
-          ("stats_precision", stats_precision), ("eigh_implementation", eigh_implementation))
+          ("stats_precision", stats_precision), ("eigh_implementation", eigh_implementation),
+          ("block_major", block_major))
   return CollectorSpec(layout=layout, estimator="shampoo", refresh_every=root_every,
                        estimator_options=opts, stateful=True)
 
 
-def _blocks_of(g, keys, bs, c=1.0):
+def _blocks_of(g, blk, c=1.0):
   leaves = jax.tree.leaves(g)
-  return {k: to_blocks(c * leaves[int(k)].astype(jnp.float32),
-                       blocking(leaves[int(k)].shape, bs)) for k in keys}
+  return {k: to_blocks(c * leaves[int(k)].astype(jnp.float32), b) for k, b in blk.items()}
 
 
-def _eig_variances(grad_fn, params, mbs_b, keys, bs, eig_l, eig_r, b2, c):
+def _majors(block_major, tree, keys) -> dict:
+  """{key: ``Blocking.major``} of the factored tensors ``keys`` (flattened-leaf indices of
+  ``tree``): None for every key unless ``block_major`` is a callable tree -> pytree of dims
+  (None, or a dim of the tensor; only its last two dims order blocks)."""
+  if block_major is None or block_major == "layers":
+    return {k: None for k in keys}
+  leaves, td = jax.tree.flatten(tree, is_leaf=_is_masked)
+  dims = td.flatten_up_to(block_major(tree))
+  out = {}
+  for k in keys:
+    d, nd = dims[int(k)], jnp.ndim(leaves[int(k)])
+    d = None if d is None else int(d) - nd if int(d) >= 0 else int(d)
+    out[k] = d if d in (-2, -1) else None
+  return out
+
+
+def _eig_variances(grad_fn, params, mbs_b, keys, blk, eig_l, eig_r, b2, c):
   """Pass 2: Var_k of the projections of c G_j on the new eigenbases (Welford over B)."""
   hp = jax.lax.Precision.HIGHEST
   m_b = jax.tree.leaves(mbs_b)[0].shape[0]
@@ -428,14 +476,14 @@ def _eig_variances(grad_fn, params, mbs_b, keys, bs, eig_l, eig_r, b2, c):
   w0 = welford_init(jax.tree.map(lambda lam_q: lam_q[0], (eig_l, eig_r),
                                  is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
                                  and not isinstance(x[0], dict)))
-  body = lambda w, mb: (welford_add(w, proj(_blocks_of(grad_fn(params, mb)[2], keys, bs, c))),
+  body = lambda w, mb: (welford_add(w, proj(_blocks_of(grad_fn(params, mb)[2], blk, c))),
                         None)
   w, _ = jax.lax.scan(body, w0, mbs_b)
   den = (1 - b2) ** 2 / (m_b * (m_b - 1))
   return tuple({k: jnp.maximum(v * den, 0.0) for k, v in side.items()} for side in w.m2)
 
 
-def _factor_pass(grad_fn, params, mbs_b, st, keys, bs, hp, num, clip_of, two_pass,
+def _factor_pass(grad_fn, params, mbs_b, st, keys, blk, hp, num, clip_of, two_pass,
                  stats_precision, eigh_implementation):
   """Pass 1 over B (factor statistics, B's mean gradient and loss), then for the two-pass
   form the eigendecomposition of the new factors and pass 2. Statistics are of c G_j."""
@@ -446,7 +494,7 @@ def _factor_pass(grad_fn, params, mbs_b, st, keys, bs, hp, num, clip_of, two_pas
   def pass1(carry, mb):
     s, g_sum, l_sum, a_sum = carry
     loss, aux, g = grad_fn(params, mb)
-    gb = _blocks_of(g, keys, bs)
+    gb = _blocks_of(g, blk)
     s = {k: tuple(x + y for x, y in zip(s[k], _gram(gb[k], stats_precision))) for k in keys}
     g_sum = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_sum, g)
     return (s, g_sum, l_sum + loss, jax.tree.map(jnp.add, a_sum, aux)), None
@@ -469,7 +517,7 @@ def _factor_pass(grad_fn, params, mbs_b, st, keys, bs, hp, num, clip_of, two_pas
   floor = hp["eig_floor_ratio"] * damping
   eig = _batched_by_size(mats, lambda f: eigh_damped(f, damping, floor, eigh_implementation))
   eig_l, eig_r = ({k: eig[(side, k)] for k in keys} for side in ("L", "R"))
-  var_l, var_r = _eig_variances(grad_fn, params, mbs_b, keys, bs, eig_l, eig_r, b2, c)
+  var_l, var_r = _eig_variances(grad_fn, params, mbs_b, keys, blk, eig_l, eig_r, b2, c)
   return ShampooPrecond(sl, sr, eig_l, eig_r, var_l, var_r, jnp.bool_(True)), extra
 
 
@@ -495,10 +543,11 @@ def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collect
     raise ValueError(f"the eigenvalue-variance correction needs >= 2 microbatches in group B, "
                      f"got {m_b}")
   keys, bs = sorted(st.factors), opts["block_size"]
+  majors = _majors(opts["block_major"], params, keys)
+  blk = {k: blocking(jax.tree.leaves(params)[int(k)].shape, bs, majors[k]) for k in keys}
   for k in keys:
-    shape = jax.tree.leaves(params)[int(k)].shape
-    blk = blocking(shape, bs)
-    if st.factors[k].L.shape != (math.prod(shape[:-2]) * blk[0] * blk[2], blk[1], blk[1]):
+    shape, b = jax.tree.leaves(params)[int(k)].shape, blk[k]
+    if st.factors[k].L.shape != (math.prod(shape[:-2]) * b.nb1 * b.nb2, b.bs1, b.bs1):
       raise ValueError("shampoo_collect: the optimizer state's blocks do not match the "
                        "parameters; build the state with tx.init(params)")
   both = spec.layout == "ab"
@@ -506,7 +555,7 @@ def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collect
   full_of = lambda g_b: avg(num, g_b) if both else num
   clip_of = lambda g_b: (clip_factor(full_of(g_b), max_norm) if max_norm is not None
                          else jnp.float32(1.0))
-  run = lambda: _factor_pass(grad_fn, params, mbs_b, st, keys, bs, hp, num, clip_of,
+  run = lambda: _factor_pass(grad_fn, params, mbs_b, st, keys, blk, hp, num, clip_of,
                              opts["two_pass"], opts["stats_precision"],
                              opts["eigh_implementation"])
   skip = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run))
@@ -538,7 +587,7 @@ def _init(params, exclude, eligible, block_size, graft, mu_dtype):
       continue
     ok = eligible(p, e, stack_sizes)
     if ok:
-      nb1, bs1, nb2, bs2 = blocking(p.shape, block_size)
+      nb1, bs1, nb2, bs2, _ = blocking(p.shape, block_size)
       n = math.prod(p.shape[:-2]) * nb1 * nb2
       eye = lambda s: jnp.broadcast_to(jnp.eye(s, dtype=jnp.float32), (n, s, s))
       factors[str(i)] = ShampooFactors(L=jnp.zeros((n, bs1, bs1), jnp.float32),
@@ -681,6 +730,7 @@ def scale_by_shampoo(
     d_max: float = 0.0,
     exclude: Optional[Union[PyTree, Callable[[PyTree], PyTree]]] = None,
     stacked: str = "auto",
+    block_major: Union[None, str, Callable[[PyTree], PyTree]] = None,
     mode: str = "std",
     crossfit: str = "ab",
     correction_scale: float = 1.0,
@@ -719,6 +769,12 @@ def scale_by_shampoo(
     stacked: ``auto``: a tensor of rank >= 3 is a stack of matrices (its last two dims), and
       a rank-2 tensor whose first dim equals the leading dim of a rank >= 3 tensor is a stack
       of vectors (AdamW); ``none``: only rank-2 tensors are matrices.
+    block_major: the order of each matrix's blocks in its factors (``Blocking.major``): None
+      or ``"layers"`` (stacked layers lead), or a callable params -> pytree giving per tensor
+      the dim (-2 or -1; None: layers lead) whose blocks lead. The trainer passes the model's
+      FSDP dims (``scaleopt.models.fsdp_dims``): a mesh that splits that dim then splits the
+      blocks alike, and no gradient or direction moves between devices to be blocked. The
+      order is part of the stored factors: resume a run with the order it was saved with.
     mode: ``std|cf|inv|full``; crossfit: ``ab`` or ``rolling_b``.
     correction_scale: multiplies the (5/32) lam^{-9/4} Var term.
     mu_dtype: dtype of the stored momentum M (None: float32; as ``optax.adamw``'s
@@ -739,8 +795,11 @@ def scale_by_shampoo(
             newton_iters=newton_iters, newton_precision=newton_precision, mode=mode,
             damping=damping, matmul_precision=matmul_precision, stats_precision=stats_precision,
             eigh_implementation=eigh_implementation)
+  if not (block_major is None or block_major == "layers" or callable(block_major)):
+    raise ValueError(f"block_major={block_major!r} must be None, 'layers' or a callable "
+                     "params -> pytree of dims")
   spec = shampoo_collector_spec(mode, crossfit, root_every, block_size, stats_precision,
-                                eigh_implementation)
+                                eigh_implementation, block_major)
   ab1 = b1 if adam_b1 is None else adam_b1
   ab2 = b2 if adam_b2 is None else adam_b2
   hp = lambda: {k: jnp.asarray(v, jnp.float32) for k, v in
@@ -770,7 +829,8 @@ def scale_by_shampoo(
     g_l = [g if _is_masked(g) else g.astype(jnp.float32) for g in orig_l]
     mu_l, nu_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
     keys = sorted(state.factors)
-    blk = {k: blocking(g_l[int(k)].shape, block_size) for k in keys}
+    majors = _majors(block_major, updates, keys)
+    blk = {k: blocking(g_l[int(k)].shape, block_size, majors[k]) for k in keys}
     fac = state.factors
     if mode == "std":  # statistics of the step's gradient every stats_every steps
       gram = {k: _gram(_on_owner(to_blocks(g_l[int(k)], blk[k])), stats_precision)

@@ -40,10 +40,10 @@ def optimizer_config(section: dict) -> OptimizerConfig:
   return OptimizerConfig.from_dict(section)
 
 
-def build_optimizer(section: dict, wd_mask, sparse_filter):
+def build_optimizer(section: dict, wd_mask, sparse_filter, shard_dims=None):
   """(tx, spec, schedule) for the optimizer section; ``schedule`` is for the lr metric."""
   cfg = OptimizerConfig.from_dict(section)
-  tx, spec = build(cfg, wd_mask=wd_mask, sparse_filter=sparse_filter)
+  tx, spec = build(cfg, wd_mask=wd_mask, sparse_filter=sparse_filter, shard_dims=shard_dims)
   return tx, spec, make_schedule(cfg.schedule, cfg.learning_rate)
 
 

@@ -216,7 +216,7 @@ RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_batches",
              "run.max_consecutive_skips", "run.progress", "run.tensorboard", "run.plot",
              "run.peak_flops", "run.wandb", "run.profile", "run.telemetry_every",
              "optimizer.schedule.total_steps", "model.init_from", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.distributed",
-             "mesh.shard_optimizer")
+             "mesh.shard_optimizer", "optimizer.extra.block_major")
 HISTORY = "config_history.jsonl"
 
 

@@ -166,7 +166,7 @@ def setup(cfg: TrainConfig) -> Setup:
   wd_policy = model.wd_policy
   tx, spec, schedule = bridge.build_optimizer(
       cfg.optimizer, wd_mask=lambda p: models.weight_decay_mask(p, wd_policy),
-      sparse_filter=bridge.sparse_filter)
+      sparse_filter=bridge.sparse_filter, shard_dims=models.fsdp_dims)
   d = cfg.data
   train_w, vocab = data.open_split(d.source, d.path, "train", d.seq_len)
   val_w, _ = data.open_split(d.source, d.path, "val", d.seq_len)
@@ -379,7 +379,8 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
     consec, norm = jax.device_get(health(st))
     if only_if_sound and ckpt.exploded(float(norm)):
       return False
-    ckpt.save(step, st, it.state(), consec=int(consec), param_norm=float(norm))
+    ckpt.save(step, st, {**it.state(), FORMAT: state_format(cfg)}, consec=int(consec),
+              param_norm=float(norm))
     return True
 
   log = metrics.MetricsLog(out, resume_step=step0 if start is not None else None,
@@ -403,6 +404,21 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
   return summary
 
 
+FORMAT = "state_format"  # key of the checkpoint's data item that describes the state's layout
+
+
+def state_format(cfg: TrainConfig) -> dict:
+  """What a checkpoint's arrays mean beyond their shapes: ``shampoo_blocks``, the order of
+  Shampoo's factor blocks (``major``: by the model's FSDP dims; ``layers``: stacked layers
+  first, the only order before ``block_major`` existed, hence the reading of a checkpoint
+  without this record)."""
+  opt = cfg.optimizer
+  if not str(opt.get("name", "")).startswith("shampoo"):
+    return {}
+  return {"shampoo_blocks": "layers" if (opt.get("extra") or {}).get("block_major") == "layers"
+          else "major"}
+
+
 def _restore_or_init(cfg: TrainConfig, s: Setup, fns: Compiled, it: data.Batches,
                      out: pathlib.Path, resume: bool, health):
   """(resumed step or None, state, Checkpointer): the newest intact checkpoint (newer broken
@@ -415,6 +431,13 @@ def _restore_or_init(cfg: TrainConfig, s: Setup, fns: Compiled, it: data.Batches
   _start_outputs(cfg, out, found is not None)
   if found is not None:
     start, state, dstate = found
+    saved = dstate.pop(FORMAT, {}).get("shampoo_blocks", "layers")
+    want = state_format(cfg).get("shampoo_blocks", "layers")
+    if saved != want:
+      fix = ("set optimizer.extra.block_major: layers" if saved == "layers"
+             else "remove optimizer.extra.block_major")
+      raise ConfigError(f"{ckpt_dir}/{start} holds Shampoo factors in the {saved!r} block "
+                        f"order and this run orders them {want!r}; {fix} to resume it")
     it.restore(dstate)
     print(f"resumed from {ckpt_dir}/{start}", file=sys.stderr)
     return start, state, ckpt

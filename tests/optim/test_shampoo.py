@@ -33,11 +33,33 @@ def test_inverse_roots_match_float64_eigh():
 def test_blocking_roundtrip_and_shapes():
   x = jnp.arange(7 * 10, dtype=jnp.float32).reshape(7, 10)
   blk = S.blocking(x.shape, 4)
-  assert blk == (2, 4, 3, 4)
+  assert blk[:4] == (2, 4, 3, 4) and blk.major is None
   xb = S.to_blocks(x, blk)
   assert xb.shape == (6, 4, 4)
   np.testing.assert_array_equal(np.asarray(S.from_blocks(xb, x.shape, blk)), np.asarray(x))
   np.testing.assert_array_equal(np.asarray(xb[1, :, :2]), np.asarray(x[:4, 4:6]))
+
+
+@pytest.mark.parametrize("major", [None, -2, -1])
+def test_block_orders_against_an_explicit_loop(major):
+  """Block j of every order is the (layer, row block, column block) that an explicit loop in
+  that order visits j-th (padding included), for a stack of 3 matrices; norms and the inverse
+  follow the same order."""
+  x = np.random.default_rng(0).normal(size=(3, 10, 7)).astype(np.float32)
+  blk = S.blocking(x.shape, 4, major)
+  nb1, bs1, nb2, bs2 = blk[:4]
+  pad = np.zeros((3, nb1 * bs1, nb2 * bs2), np.float32)
+  pad[:, :10, :7] = x
+  cut = lambda n, i, j: pad[n, i * bs1:(i + 1) * bs1, j * bs2:(j + 1) * bs2]
+  loops = {None: [(n, i, j) for n in range(3) for i in range(nb1) for j in range(nb2)],
+           -2: [(n, i, j) for i in range(nb1) for n in range(3) for j in range(nb2)],
+           -1: [(n, i, j) for j in range(nb2) for n in range(3) for i in range(nb1)]}
+  ref = np.stack([cut(*t) for t in loops[major]])
+  xb = np.asarray(S.to_blocks(jnp.asarray(x), blk))
+  np.testing.assert_array_equal(xb, ref)
+  np.testing.assert_array_equal(np.asarray(S.from_blocks(jnp.asarray(ref), x.shape, blk)), x)
+  np.testing.assert_allclose(np.asarray(S.block_norms(jnp.asarray(x), blk))[:, 0, 0],
+                             np.linalg.norm(ref, axis=(1, 2)), rtol=1e-6)
 
 
 def _np_shampoo(params, grads, *, lr, wd, b1, b2, eps, block, root_every, damping, floor_ratio,
