@@ -44,7 +44,7 @@
 #   SUITE_PLAN=blocks bash benchmarks/gpu_scaling_suite.sh OUT_DIR  (2 GPUs: root solvers with
 #       the defaults; AdamW and Shampoo (defaults) on 1 GPU; then passes of AdamW fsdp2 and
 #       Shampoo fsdp2 with blocks in the FSDP order (default), in the stacked-layers order and
-#       without root steps, each pass one process per row, as many passes as the budget allows)
+#       without root steps, three passes (each one process), as many as the budget allows)
 #   SUITE_PLAN=two bash benchmarks/gpu_scaling_suite.sh OUT_DIR     (2 GPUs: root solvers at
 #       block 768 and Newton by iteration count; Shampoo at block 768 on 1 and 2 GPUs, data2 +
 #       ZeRO-1, no root steps)

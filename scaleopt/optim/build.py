@@ -241,8 +241,8 @@ def _shampoo_factory(alias):
     ex = dict(cfg.extra)
     if sparse_filter is not None:
       ex.setdefault("exclude", sparse_filter)
-    if shard_dims is not None:
-      ex.setdefault("block_major", shard_dims)
+    if shard_dims is not None and ex.get("block_major") is None:  # null: as if not given
+      ex["block_major"] = shard_dims
     return alias(lr, **cfg.betas(), weight_decay=cfg.weight_decay, mask=wd_mask, **ex)
   return factory
 

@@ -649,7 +649,7 @@ def _direction(g, mu, nu, f, blk, graft, adam, update_clip_fro, precision):
 
 def _validate(*, root_method, graft, stacked, block_size, stats_every, root_every, max_dim,
               newton_iters, mode, damping, matmul_precision, stats_precision,
-              eigh_implementation, newton_precision):
+              eigh_implementation, newton_precision, block_major):
   check_choice("root_method", root_method, ROOT_METHODS)
   check_choice("matmul_precision", matmul_precision, PRECISIONS)
   check_choice("newton_precision", newton_precision, PRECISIONS)
@@ -666,6 +666,9 @@ def _validate(*, root_method, graft, stacked, block_size, stats_every, root_ever
     raise ValueError(f"mode={mode!r} corrects eigenvalues; root_method must be 'eigh'")
   if isinstance(damping, (int, float)) and not damping > 0:
     raise ValueError(f"damping={damping!r} must be > 0")
+  if not (block_major is None or block_major == "layers" or callable(block_major)):
+    raise ValueError(f"block_major={block_major!r} must be None, 'layers' or a callable "
+                     "params -> pytree of dims")
 
 
 def resolve_root_method(root_method: str, mode: str = "std", backend: Optional[str] = None,
@@ -794,10 +797,7 @@ def scale_by_shampoo(
             stats_every=stats_every, root_every=root_every, max_dim=max_dim,
             newton_iters=newton_iters, newton_precision=newton_precision, mode=mode,
             damping=damping, matmul_precision=matmul_precision, stats_precision=stats_precision,
-            eigh_implementation=eigh_implementation)
-  if not (block_major is None or block_major == "layers" or callable(block_major)):
-    raise ValueError(f"block_major={block_major!r} must be None, 'layers' or a callable "
-                     "params -> pytree of dims")
+            eigh_implementation=eigh_implementation, block_major=block_major)
   spec = shampoo_collector_spec(mode, crossfit, root_every, block_size, stats_precision,
                                 eigh_implementation, block_major)
   ab1 = b1 if adam_b1 is None else adam_b1

@@ -171,7 +171,9 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
     abstract = checkpoint.abstract(fns.state_shape, jax.tree.map(lambda _: sh, fns.state_shape))
     restored = [ck.restore(resume_step, abstract) for ck in ckpts]
     state = jax.device_put(_stack([st for st, _ in restored]), NamedSharding(s.mesh, P()))
-    for it, (_, ds) in zip(its, restored):
+    dstates = [loop.check_state_format(c, ds, f"{ck.dir}/{resume_step}")
+               for c, (_, ds), ck in zip(cfgs, restored, ckpts)]
+    for it, ds in zip(its, dstates):
       it.restore(ds)
   else:
     state = fns.init(jnp.asarray(seeds, jnp.int32))
@@ -187,7 +189,8 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
 
   def save_all(step):
     for i, ck in enumerate(ckpts):
-      ck.save(step, _slice(state, i), its[0 if shared else i].state())
+      ck.save(step, _slice(state, i),
+              loop.with_state_format(cfgs[i], its[0 if shared else i].state()))
 
   for t in range(step0, r.steps):
     nxt = [it.next() for it in its]

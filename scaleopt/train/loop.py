@@ -379,7 +379,7 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
     consec, norm = jax.device_get(health(st))
     if only_if_sound and ckpt.exploded(float(norm)):
       return False
-    ckpt.save(step, st, {**it.state(), FORMAT: state_format(cfg)}, consec=int(consec),
+    ckpt.save(step, st, with_state_format(cfg, it.state()), consec=int(consec),
               param_norm=float(norm))
     return True
 
@@ -409,14 +409,33 @@ FORMAT = "state_format"  # key of the checkpoint's data item that describes the 
 
 def state_format(cfg: TrainConfig) -> dict:
   """What a checkpoint's arrays mean beyond their shapes: ``shampoo_blocks``, the order of
-  Shampoo's factor blocks (``major``: by the model's FSDP dims; ``layers``: stacked layers
-  first, the only order before ``block_major`` existed, hence the reading of a checkpoint
-  without this record)."""
+  Shampoo's factor blocks (``major``: by the model's FSDP dims, ``models.fsdp_dims``;
+  ``layers``: stacked layers first, ``optimizer.extra.block_major: layers``). A checkpoint
+  without the record holds the ``layers`` order."""
   opt = cfg.optimizer
   if not str(opt.get("name", "")).startswith("shampoo"):
     return {}
   return {"shampoo_blocks": "layers" if (opt.get("extra") or {}).get("block_major") == "layers"
           else "major"}
+
+
+def with_state_format(cfg: TrainConfig, data_state: dict) -> dict:
+  """The checkpoint's data item: the iterator position and ``state_format``."""
+  return {**data_state, FORMAT: state_format(cfg)}
+
+
+def check_state_format(cfg: TrainConfig, data_state: dict, where: str) -> dict:
+  """The iterator position of a restored data item; ConfigError (one line naming ``where``)
+  when its state format is not this run's."""
+  data_state = dict(data_state)
+  saved = data_state.pop(FORMAT, {}).get("shampoo_blocks", "layers")
+  want = state_format(cfg).get("shampoo_blocks", "layers")
+  if saved != want:
+    fix = ("set optimizer.extra.block_major: layers" if saved == "layers"
+           else "remove optimizer.extra.block_major")
+    raise ConfigError(f"{where} holds Shampoo factors in the {saved!r} block order and this run "
+                      f"orders them {want!r}; {fix} to resume it")
+  return data_state
 
 
 def _restore_or_init(cfg: TrainConfig, s: Setup, fns: Compiled, it: data.Batches,
@@ -431,13 +450,11 @@ def _restore_or_init(cfg: TrainConfig, s: Setup, fns: Compiled, it: data.Batches
   _start_outputs(cfg, out, found is not None)
   if found is not None:
     start, state, dstate = found
-    saved = dstate.pop(FORMAT, {}).get("shampoo_blocks", "layers")
-    want = state_format(cfg).get("shampoo_blocks", "layers")
-    if saved != want:
-      fix = ("set optimizer.extra.block_major: layers" if saved == "layers"
-             else "remove optimizer.extra.block_major")
-      raise ConfigError(f"{ckpt_dir}/{start} holds Shampoo factors in the {saved!r} block "
-                        f"order and this run orders them {want!r}; {fix} to resume it")
+    try:
+      dstate = check_state_format(cfg, dstate, f"{ckpt_dir}/{start}")
+    except ConfigError:
+      ckpt.close()
+      raise
     it.restore(dstate)
     print(f"resumed from {ckpt_dir}/{start}", file=sys.stderr)
     return start, state, ckpt

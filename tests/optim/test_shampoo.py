@@ -40,26 +40,46 @@ def test_blocking_roundtrip_and_shapes():
   np.testing.assert_array_equal(np.asarray(xb[1, :, :2]), np.asarray(x[:4, 4:6]))
 
 
+@pytest.mark.parametrize("lead", [(3,), (2, 3), ()], ids=["stack", "experts", "matrix"])
 @pytest.mark.parametrize("major", [None, -2, -1])
-def test_block_orders_against_an_explicit_loop(major):
-  """Block j of every order is the (layer, row block, column block) that an explicit loop in
-  that order visits j-th (padding included), for a stack of 3 matrices; norms and the inverse
-  follow the same order."""
-  x = np.random.default_rng(0).normal(size=(3, 10, 7)).astype(np.float32)
+def test_block_orders_against_an_explicit_loop(major, lead):
+  """Block j of every order is the (matrix, row block, column block) that an explicit loop in
+  that order visits j-th (padding included), for a stack of matrices, a stack of expert stacks
+  and one matrix; norms and the inverse follow the same order."""
+  x = np.random.default_rng(0).normal(size=(*lead, 10, 7)).astype(np.float32)
   blk = S.blocking(x.shape, 4, major)
   nb1, bs1, nb2, bs2 = blk[:4]
-  pad = np.zeros((3, nb1 * bs1, nb2 * bs2), np.float32)
-  pad[:, :10, :7] = x
-  cut = lambda n, i, j: pad[n, i * bs1:(i + 1) * bs1, j * bs2:(j + 1) * bs2]
-  loops = {None: [(n, i, j) for n in range(3) for i in range(nb1) for j in range(nb2)],
-           -2: [(n, i, j) for i in range(nb1) for n in range(3) for j in range(nb2)],
-           -1: [(n, i, j) for j in range(nb2) for n in range(3) for i in range(nb1)]}
+  n = int(np.prod(lead))
+  pad = np.zeros((n, nb1 * bs1, nb2 * bs2), np.float32)
+  pad[:, :10, :7] = x.reshape(n, 10, 7)
+  cut = lambda m, i, j: pad[m, i * bs1:(i + 1) * bs1, j * bs2:(j + 1) * bs2]
+  loops = {None: [(m, i, j) for m in range(n) for i in range(nb1) for j in range(nb2)],
+           -2: [(m, i, j) for i in range(nb1) for m in range(n) for j in range(nb2)],
+           -1: [(m, i, j) for j in range(nb2) for m in range(n) for i in range(nb1)]}
   ref = np.stack([cut(*t) for t in loops[major]])
   xb = np.asarray(S.to_blocks(jnp.asarray(x), blk))
   np.testing.assert_array_equal(xb, ref)
   np.testing.assert_array_equal(np.asarray(S.from_blocks(jnp.asarray(ref), x.shape, blk)), x)
   np.testing.assert_allclose(np.asarray(S.block_norms(jnp.asarray(x), blk))[:, 0, 0],
                              np.linalg.norm(ref, axis=(1, 2)), rtol=1e-6)
+
+
+def test_trainer_fsdp_dims_reach_shampoo_unless_layers_is_asked_for():
+  """``build(..., shard_dims=)`` orders Shampoo's blocks by the given dims when
+  ``extra.block_major`` is absent or null, and keeps the stacked-layers order for ``layers``
+  (the collector reads the same order)."""
+  from scaleopt.optim import build
+  from scaleopt.optim.collect import collector_spec
+  dims = lambda p: jax.tree.map(lambda _: -2, p)
+  orders = {}
+  for value in ("absent", None, "layers"):
+    extra = {"block_size": 4} if value == "absent" else {"block_size": 4, "block_major": value}
+    cfg = {"name": "shampoo_bc", "learning_rate": 1e-3, "extra": extra}
+    tx, _ = build(cfg, shard_dims=dims)
+    st = tx.init({"w": jnp.zeros((3, 8, 8))})
+    orders[value] = dict(collector_spec(st).estimator_options)["block_major"]
+  assert orders["absent"] is dims and orders[None] is dims, orders
+  assert orders["layers"] == "layers", orders
 
 
 def _np_shampoo(params, grads, *, lr, wd, b1, b2, eps, block, root_every, damping, floor_ratio,
