@@ -445,19 +445,19 @@ def _blocks_of(g, blk, c=1.0):
   return {k: to_blocks(c * leaves[int(k)].astype(jnp.float32), b) for k, b in blk.items()}
 
 
-def _majors(block_major, tree, keys) -> dict:
-  """{key: ``Blocking.major``} of the factored tensors ``keys`` (flattened-leaf indices of
-  ``tree``): None for every key unless ``block_major`` is a callable tree -> pytree of dims
-  (None, or a dim of the tensor; only its last two dims order blocks)."""
-  if block_major is None or block_major == "layers":
-    return {k: None for k in keys}
+def _blockings(tree, keys, block_size, block_major) -> dict:
+  """{key: ``Blocking``} of the factored tensors ``keys`` (flattened-leaf indices of ``tree``),
+  ordered by ``block_major``: layers first unless it is a callable tree -> pytree of dims (None,
+  or a dim of the tensor; only its last two dims order blocks)."""
   leaves, td = jax.tree.flatten(tree, is_leaf=_is_masked)
-  dims = td.flatten_up_to(block_major(tree))
+  dims = ([None] * len(leaves) if block_major is None or block_major == "layers"
+          else td.flatten_up_to(block_major(tree)))
   out = {}
   for k in keys:
-    d, nd = dims[int(k)], jnp.ndim(leaves[int(k)])
-    d = None if d is None else int(d) - nd if int(d) >= 0 else int(d)
-    out[k] = d if d in (-2, -1) else None
+    shape, d = jnp.shape(leaves[int(k)]), dims[int(k)]
+    if d is not None and int(d) >= 0:
+      d = int(d) - len(shape)
+    out[k] = blocking(shape, block_size, d if d in (-2, -1) else None)
   return out
 
 
@@ -542,9 +542,8 @@ def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collect
   if opts["two_pass"] and m_b < 2:
     raise ValueError(f"the eigenvalue-variance correction needs >= 2 microbatches in group B, "
                      f"got {m_b}")
-  keys, bs = sorted(st.factors), opts["block_size"]
-  majors = _majors(opts["block_major"], params, keys)
-  blk = {k: blocking(jax.tree.leaves(params)[int(k)].shape, bs, majors[k]) for k in keys}
+  keys = sorted(st.factors)
+  blk = _blockings(params, keys, opts["block_size"], opts["block_major"])
   for k in keys:
     shape, b = jax.tree.leaves(params)[int(k)].shape, blk[k]
     if st.factors[k].L.shape != (math.prod(shape[:-2]) * b.nb1 * b.nb2, b.bs1, b.bs1):
@@ -829,8 +828,7 @@ def scale_by_shampoo(
     g_l = [g if _is_masked(g) else g.astype(jnp.float32) for g in orig_l]
     mu_l, nu_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
     keys = sorted(state.factors)
-    majors = _majors(block_major, updates, keys)
-    blk = {k: blocking(g_l[int(k)].shape, block_size, majors[k]) for k in keys}
+    blk = _blockings(updates, keys, block_size, block_major)
     fac = state.factors
     if mode == "std":  # statistics of the step's gradient every stats_every steps
       gram = {k: _gram(_on_owner(to_blocks(g_l[int(k)], blk[k])), stats_precision)
