@@ -18,7 +18,11 @@ metrics; ``scaleopt.train``) is compiled, not run, with the state donated, on a 
 parameters.
 ``jax.jit(step).lower(state, batch).compile().memory_analysis()`` gives, per device:
 
-  state       optimizer-state bytes (the ``opt_state`` leaves; exact, from their shapes)
+  state       optimizer-state bytes in device memory (the ``opt_state`` leaves; exact, from
+              their shapes)
+  host        optimizer-state bytes kept in host memory between steps (Shampoo's
+              ``offload_statistics``: L and R), from their shapes; on GPU also the compiled
+              step's host argument bytes (``host args``), which must agree
   temp        the step's temporary buffers: the collector's per-step statistics (gradient
               sums, Welford pairs, A/B groups, Shampoo factor statistics), the update's
               intermediates, and the (tiny) activations
@@ -64,6 +68,10 @@ OPTIMIZERS = [
      {"name": "shampoo", "extra": {"block_size": 1024, **BF16}}),
     ("shampoo, block 1024, no grafting",
      {"name": "shampoo", "extra": {"block_size": 1024, "graft": "none"}}),
+    ("shampoo, block 512, statistics in host memory",
+     {"name": "shampoo", "extra": {"offload_statistics": True}}),
+    ("shampoo, block 1024, statistics in host memory",
+     {"name": "shampoo", "extra": {"block_size": 1024, "offload_statistics": True}}),
     ("muon", {"name": "muon"}),
 ]
 SHAMPOO = {"name": "shampoo", "extra": {"block_size": 1024}}
@@ -82,10 +90,13 @@ def _bytes(tree) -> int:
   return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-def _device_bytes(tree, shardings) -> int:
-  """Bytes one device holds of ``tree`` (leaves of ShapeDtypeStruct) under ``shardings``."""
+def _device_bytes(tree, shardings, memory: str = "device") -> int:
+  """Bytes one device holds of ``tree`` (leaves of ShapeDtypeStruct) under ``shardings`` in
+  ``memory`` (``device``: device memory; ``pinned_host``: host memory)."""
+  kind = lambda sh: "pinned_host" if sh.memory_kind == "pinned_host" else "device"
   return int(sum(np.prod(sh.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
-                 for x, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))))
+                 for x, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))
+                 if kind(sh) == memory))
 
 
 def measure(preset: str, opt: dict, seq: int, dtype: str, mesh: dict = None,
@@ -102,9 +113,10 @@ def measure(preset: str, opt: dict, seq: int, dtype: str, mesh: dict = None,
   fns = loop.compile_fns(s)
   n = models.count_params(s.model.cfg)
   state = _device_bytes(fns.state_shape.opt_state, fns.state_sh.opt_state) / n
+  host = _device_bytes(fns.state_shape.opt_state, fns.state_sh.opt_state, "pinned_host") / n
   label = "x".join(f"{k}{v}" for k, v in mesh.items()) + ("+shard" if shard_optimizer else "")
   base = dict(params=n, devices=n_dev, mesh=label,
-              state=state, layout=s.spec.layout)
+              state=state, host=host, layout=s.spec.layout)
   if state_only:
     return base
   st = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
@@ -118,7 +130,8 @@ def measure(preset: str, opt: dict, seq: int, dtype: str, mesh: dict = None,
   peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
           + ma.temp_size_in_bytes)
   return dict(base, temp=ma.temp_size_in_bytes / n, peak=peak / n,
-              args=ma.argument_size_in_bytes / n)
+              args=ma.argument_size_in_bytes / n,
+              host_args=getattr(ma, "host_argument_size_in_bytes", 0) / n)
 
 
 def main(argv=None) -> int:
@@ -175,19 +188,21 @@ def _write_csv(path: str, rows: list) -> None:
 
 def table(rows: list) -> str:
   """Markdown table; "vs adamw" divides by the adamw row on the same mesh."""
-  out = ["| optimizer | mesh | collector layout | state bytes/param/device | step temp "
-         "bytes/param/device | peak bytes/param/device | peak vs adamw |",
-         "|---|---|---|---|---|---|---|"]
+  out = ["| optimizer | mesh | collector layout | state bytes/param/device | state in host "
+         "memory | host args (compiled) | step temp bytes/param/device | peak bytes/param/device "
+         "| peak vs adamw |",
+         "|---|---|---|---|---|---|---|---|---|"]
   base = {r["mesh"]: r.get("peak") for r in rows if r["optimizer"] == "adamw" and "state" in r}
   for r in rows:
     if "error" in r:
-      out.append(f"| {r['optimizer']} | {r.get('mesh', '-')} | - | {r['error']} | - | - | - |")
+      out.append(f"| {r['optimizer']} | {r.get('mesh', '-')} | - | {r['error']} | - | - | - | - "
+                 "| - |")
       continue
     fmt = lambda k: f"{r[k]:.2f}" if k in r else "-"
     b = base.get(r["mesh"])
     rel = f"{r['peak'] / b:.2f}x" if b and "peak" in r else "-"
     out.append(f"| {r['optimizer']} | {r['mesh']} | {r['layout']} | {fmt('state')} | "
-               f"{fmt('temp')} | {fmt('peak')} | {rel} |")
+               f"{fmt('host')} | {fmt('host_args')} | {fmt('temp')} | {fmt('peak')} | {rel} |")
   return "\n".join(out)
 
 

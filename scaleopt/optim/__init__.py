@@ -16,8 +16,8 @@ from scaleopt.optim.collect import (BCStats, CollectorSpec, GroupStats, LOOStats
 from scaleopt.optim.adam_bc import ScaleByAdamBCState, adamw_bc, scale_by_adam_bc
 from scaleopt.optim.sophia_lib import (ScaleBySophiaState, SophiaCurvature, scale_by_sophia,
                                        sophia, sophia_bc)
-from scaleopt.optim.shampoo_lib import (ScaleByShampooState, ShampooPrecond, scale_by_shampoo,
-                                        shampoo, shampoo_bc)
+from scaleopt.optim.shampoo_lib import (ScaleByShampooState, ShampooPrecond, in_host_memory,
+                                        scale_by_shampoo, shampoo, shampoo_bc)
 from scaleopt.optim.schedules import ScheduleConfig, make_schedule
 from scaleopt.optim.build import OptimizerConfig, build, muon, names, register_optimizer
 
@@ -28,7 +28,8 @@ __all__ = [
     "register_estimator", "schedule_count", "skipped_tensors", "value_and_grad_fn",
     "ScaleByAdamBCState", "adamw_bc", "scale_by_adam_bc",
     "ScaleBySophiaState", "SophiaCurvature", "scale_by_sophia", "sophia", "sophia_bc",
-    "ScaleByShampooState", "ShampooPrecond", "scale_by_shampoo", "shampoo", "shampoo_bc",
+    "ScaleByShampooState", "ShampooPrecond", "in_host_memory", "scale_by_shampoo", "shampoo",
+    "shampoo_bc",
     "ScheduleConfig", "make_schedule", "OptimizerConfig", "build", "muon", "names",
     "register_optimizer", "delta", "gnb",
 ]

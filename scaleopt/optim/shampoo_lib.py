@@ -282,6 +282,23 @@ def _on_owner(x):
   return x if mesh is None else jax.lax.with_sharding_constraint(x, block_sharding(mesh, x.shape))
 
 
+def in_host_memory(x) -> bool:
+  """Whether ``x`` (an array or a tracer) lives in host memory (``jax.memory.Space.Host``)."""
+  typeof = getattr(jax, "typeof", None)
+  space = getattr(typeof(x), "memory_space", None) if typeof is not None else None
+  return space is not None and space == jax.memory.Space.Host
+
+
+def _to_device(x):
+  """``x`` in device memory: a copy from host memory if it lives there, else ``x`` itself."""
+  return jax.device_put(x, jax.memory.Space.Device) if in_host_memory(x) else x
+
+
+def _to_host(x):
+  """``x`` moved to (pinned) host memory; inside jit XLA turns this into an asynchronous copy."""
+  return jax.device_put(x, jax.memory.Space.Host)
+
+
 def _divided(fn: Callable) -> Callable:
   """``fn`` over a batch ``[N, s, s]`` split evenly among all devices of the mesh in context:
   the batch is zero-padded to a multiple of the device count (padding blocks are identity
@@ -488,8 +505,8 @@ def _factor_pass(grad_fn, params, mbs_b, st, keys, blk, hp, num, clip_of, two_pa
   """Pass 1 over B (factor statistics, B's mean gradient and loss), then for the two-pass
   form the eigendecomposition of the new factors and pass 2. Statistics are of c G_j."""
   m_b = jax.tree.leaves(mbs_b)[0].shape[0]
-  zero = lambda: {k: (jnp.zeros_like(st.factors[k].L), jnp.zeros_like(st.factors[k].R))
-                  for k in keys}
+  zero = lambda: {k: (jnp.zeros(st.factors[k].L.shape, jnp.float32),
+                      jnp.zeros(st.factors[k].R.shape, jnp.float32)) for k in keys}
 
   def pass1(carry, mb):
     s, g_sum, l_sum, a_sum = carry
@@ -512,8 +529,8 @@ def _factor_pass(grad_fn, params, mbs_b, st, keys, blk, hp, num, clip_of, two_pa
   if not two_pass:
     return ShampooPrecond(sl, sr, None, None, None, None, jnp.bool_(True)), extra
   b2, damping = hp["b2"], hp["damping"]
-  mats = {**{("L", k): b2 * st.factors[k].L + (1 - b2) * sl[k] for k in keys},
-          **{("R", k): b2 * st.factors[k].R + (1 - b2) * sr[k] for k in keys}}
+  mats = {**{("L", k): b2 * _to_device(st.factors[k].L) + (1 - b2) * sl[k] for k in keys},
+          **{("R", k): b2 * _to_device(st.factors[k].R) + (1 - b2) * sr[k] for k in keys}}
   floor = hp["eig_floor_ratio"] * damping
   eig = _batched_by_size(mats, lambda f: eigh_damped(f, damping, floor, eigh_implementation))
   eig_l, eig_r = ({k: eig[(side, k)] for k in keys} for side in ("L", "R"))
@@ -574,7 +591,7 @@ register_estimator("shampoo", shampoo_collect)
 
 # ----------------------------------------------------------------------------- transform
 
-def _init(params, exclude, eligible, block_size, graft, mu_dtype):
+def _init(params, exclude, eligible, block_size, graft, mu_dtype, offload):
   leaves, td = jax.tree.flatten(params, is_leaf=_is_masked)
   ex = exclude(params) if callable(exclude) else exclude
   excl = [False] * len(leaves) if exclude is None else [bool(e) for e in td.flatten_up_to(ex)]
@@ -589,8 +606,9 @@ def _init(params, exclude, eligible, block_size, graft, mu_dtype):
       nb1, bs1, nb2, bs2, _ = blocking(p.shape, block_size)
       n = math.prod(p.shape[:-2]) * nb1 * nb2
       eye = lambda s: jnp.broadcast_to(jnp.eye(s, dtype=jnp.float32), (n, s, s))
-      factors[str(i)] = ShampooFactors(L=jnp.zeros((n, bs1, bs1), jnp.float32),
-                                       R=jnp.zeros((n, bs2, bs2), jnp.float32),
+      stat = lambda s: jnp.zeros((n, s, s), jnp.float32)
+      store = _to_host if offload else (lambda x: x)
+      factors[str(i)] = ShampooFactors(L=store(stat(bs1)), R=store(stat(bs2)),
                                        PL=eye(bs1), PR=eye(bs2))
     need_nu = (not ok) or graft == "adam"
     nu.append(jnp.zeros(jnp.shape(p), jnp.float32) if need_nu else jnp.zeros((), jnp.float32))
@@ -626,6 +644,30 @@ def _ema_factors(f, keys, sl, sr, b2):
           for k in keys}
 
 
+def _statistics_io(offload: bool):
+  """(load, store) of the factors' statistics L, R. ``load(f)``: L, R in device memory.
+  ``store(new, old, f)``: with ``offload``, the new L, R (the old ones, loaded, when any new one
+  is not finite: the trainer's skip guard cannot roll back host-resident state) back where
+  ``f``'s were (host memory, unless the caller placed the state on the device); without, the
+  new factors as they are."""
+  def load(f):
+    return {k: v._replace(L=_to_device(v.L), R=_to_device(v.R)) for k, v in f.items()}
+
+  def store(new, old, f):
+    if not offload or not new:
+      return new
+    ok = jnp.all(jnp.stack([jnp.isfinite(jnp.sum(v.L) + jnp.sum(v.R)) for v in new.values()]))
+
+    def keep(n, o, where):
+      x = _on_owner(jnp.where(ok, n, o))
+      return _to_host(x) if in_host_memory(where) else x
+
+    return {k: v._replace(L=keep(v.L, old[k].L, f[k].L), R=keep(v.R, old[k].R, f[k].R))
+            for k, v in new.items()}
+
+  return load, store
+
+
 def _direction(g, mu, nu, f, blk, graft, adam, update_clip_fro, precision):
   """(u, nu) of one tensor: P_L M P_R (matmuls at ``precision``; grafted to the Adam norm per
   block) or Adam."""
@@ -648,7 +690,7 @@ def _direction(g, mu, nu, f, blk, graft, adam, update_clip_fro, precision):
 
 def _validate(*, root_method, graft, stacked, block_size, stats_every, root_every, max_dim,
               newton_iters, mode, damping, matmul_precision, stats_precision,
-              eigh_implementation, newton_precision, block_major):
+              eigh_implementation, newton_precision, block_major, offload_statistics):
   check_choice("root_method", root_method, ROOT_METHODS)
   check_choice("matmul_precision", matmul_precision, PRECISIONS)
   check_choice("newton_precision", newton_precision, PRECISIONS)
@@ -668,6 +710,11 @@ def _validate(*, root_method, graft, stacked, block_size, stats_every, root_ever
   if not (block_major is None or block_major == "layers" or callable(block_major)):
     raise ValueError(f"block_major={block_major!r} must be None, 'layers' or a callable "
                      "params -> pytree of dims")
+  if not isinstance(offload_statistics, bool):
+    raise ValueError(f"offload_statistics={offload_statistics!r} must be true or false")
+  if offload_statistics and not hasattr(getattr(jax, "memory", None), "Space"):
+    raise ValueError(f"offload_statistics=True needs jax.memory.Space (jax {jax.__version__} "
+                     "has none)")
 
 
 def resolve_root_method(root_method: str, mode: str = "std", backend: Optional[str] = None,
@@ -740,6 +787,7 @@ def scale_by_shampoo(
     matmul_precision: str = "high",
     stats_precision: str = "high",
     eigh_implementation: Optional[str] = None,
+    offload_statistics: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Shampoo's scaling with an AdamW fallback; see the module docstring.
 
@@ -791,12 +839,21 @@ def scale_by_shampoo(
       eigenvalue variances always run in float32 at the highest precision.
     eigh_implementation: the eigendecomposition's solver, one of ``EIGH_IMPLEMENTATIONS``
       (None: the backend's default; "jacobi" needs a GPU).
+    offload_statistics: keep the statistics L, R in pinned host memory between the steps that
+      use them (``jax.memory.Space.Host``); they come to the device only inside the branches
+      that update them (every ``stats_every`` steps) or decompose them (root steps), so the
+      device holds P_L, P_R, the momentum and the grafting moments alone. Each use moves L and
+      R across the host link both ways: worth it with ``stats_every`` > 1 (typically
+      ``stats_every = root_every``). A step whose new statistics are not finite keeps the old
+      ones. The trainer places such leaves in host memory by reading where ``init`` puts them
+      (docs/optim_sophia_shampoo.md, Host offload).
   """
   _validate(root_method=root_method, graft=graft, stacked=stacked, block_size=block_size,
             stats_every=stats_every, root_every=root_every, max_dim=max_dim,
             newton_iters=newton_iters, newton_precision=newton_precision, mode=mode,
             damping=damping, matmul_precision=matmul_precision, stats_precision=stats_precision,
-            eigh_implementation=eigh_implementation, block_major=block_major)
+            eigh_implementation=eigh_implementation, block_major=block_major,
+      offload_statistics=offload_statistics)
   spec = shampoo_collector_spec(mode, crossfit, root_every, block_size, stats_precision,
                                 eigh_implementation, block_major)
   ab1 = b1 if adam_b1 is None else adam_b1
@@ -812,7 +869,8 @@ def scale_by_shampoo(
   eligible = functools.partial(_eligible, stacked=stacked, min_dim=min_dim, max_dim=max_dim)
 
   def init_fn(params):
-    mu, nu, factors = _init(params, exclude, eligible, block_size, graft, mu_dt)
+    mu, nu, factors = _init(params, exclude, eligible, block_size, graft, mu_dt,
+                            offload_statistics)
     return ScaleByShampooState(jnp.zeros([], jnp.int32), mu, nu, factors, Static(spec), hp())
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
@@ -830,17 +888,29 @@ def scale_by_shampoo(
     keys = sorted(state.factors)
     blk = _blockings(updates, keys, block_size, block_major)
     fac = state.factors
+    load, store = _statistics_io(offload_statistics)
     if mode == "std":  # statistics of the step's gradient every stats_every steps
-      gram = {k: _gram(_on_owner(to_blocks(g_l[int(k)], blk[k])), stats_precision)
-              for k in keys}
-      fac = jax.lax.cond(count % stats_every == 0, lambda f: _ema_factors(
-          f, keys, {k: v[0] for k, v in gram.items()}, {k: v[1] for k, v in gram.items()}, b2),
-          lambda f: f, fac)
+      def statistics(f):
+        gram = {k: _gram(_on_owner(to_blocks(g_l[int(k)], blk[k])), stats_precision)
+                for k in keys}
+        old = load(f)
+        return store(_ema_factors(old, keys, {k: v[0] for k, v in gram.items()},
+                                  {k: v[1] for k, v in gram.items()}, b2), old, f)
+
+      def do_roots(f):  # reads L, R where they are kept
+        new = _roots(load(f), keys, pre, **root_kw)
+        return {k: new[k]._replace(L=f[k].L, R=f[k].R) for k in keys}
+
+      fac = (statistics(fac) if stats_every == 1 else
+             jax.lax.cond(count % stats_every == 0, statistics, lambda f: f, fac))
       is_root = count % root_every == 0
     else:  # BC: B's statistics enter on root steps
+      def do_roots(f):
+        old = load(f)
+        return store(_roots(_ema_factors(old, keys, pre.stat_L, pre.stat_R, b2), keys, pre,
+                            **root_kw), old, f)
+
       is_root = pre.root
-    do_roots = lambda f: _roots(f if mode == "std" else _ema_factors(
-        f, keys, pre.stat_L, pre.stat_R, b2), keys, pre, **root_kw)
     if keys:
       fac = jax.lax.cond(is_root, do_roots, lambda f: f, fac)
     out_u, out_mu, out_nu = _all_directions(
@@ -848,7 +918,8 @@ def scale_by_shampoo(
         dict(b1=b1, ab1=ab1, ab2=ab2, eps=eps, graft=graft, update_clip_fro=update_clip_fro,
              matmul_precision=matmul_precision))
     un = lambda l: jax.tree.unflatten(td, l)
-    fac = {k: ShampooFactors(*map(_on_owner, f)) for k, f in fac.items()}
+    own = lambda x: x if in_host_memory(x) else _on_owner(x)
+    fac = {k: ShampooFactors(*map(own, f)) for k, f in fac.items()}
     out_mu = [m if _is_masked(m) else m.astype(mu_dt) for m in out_mu]
     return un(out_u), ScaleByShampooState(count_inc, un(out_mu), un(out_nu), fac, state.spec,
                                           hp())

@@ -209,14 +209,17 @@ def dump_config(cfg: TrainConfig, path: str | pathlib.Path) -> None:
 
 # Keys (and sections, with everything under them) a resumed run may change: when and how much
 # to train, log, evaluate, profile and checkpoint, the schedule's end, the device layout, and
-# ``model.init_from`` (only read by fresh runs). Anything else (seed, data, model, optimizer)
-# would make the continued run a different experiment than its checkpoints.
+# ``model.init_from`` (only read by fresh runs), and where Shampoo keeps its statistics
+# (``offload_statistics``: the same values in host or device memory). Anything else (seed,
+# data, model, optimizer) would make the continued run a different experiment than its
+# checkpoints.
 RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_batches",
              "run.checkpoint_every", "run.keep_checkpoints", "run.async_checkpoint",
              "run.max_consecutive_skips", "run.progress", "run.tensorboard", "run.plot",
              "run.peak_flops", "run.wandb", "run.profile", "run.telemetry_every",
              "optimizer.schedule.total_steps", "model.init_from", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.distributed",
-             "mesh.shard_optimizer", "optimizer.extra.block_major")
+             "mesh.shard_optimizer", "optimizer.extra.block_major",
+             "optimizer.extra.offload_statistics")
 HISTORY = "config_history.jsonl"
 
 

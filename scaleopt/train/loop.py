@@ -212,6 +212,8 @@ def compile_fns(s: Setup) -> Compiled:
   opt_sh = mesh_lib.optimizer_shardings(mesh, state_shape.params, param_sh, shard_opt)
   state_sh = mesh_lib.state_shardings(mesh, state_shape, state_shape.params, opt_sh)
   state_sh = state_sh._replace(params=param_sh)
+  state_sh = state_sh._replace(opt_state=mesh_lib.in_memory_of(  # offloaded state: host memory
+      s.tx.init, (state_shape.params,), state_sh.opt_state))
   batch_sh, eval_sh = mesh_lib.batch_sharding(mesh), mesh_lib.eval_sharding(mesh)
   return Compiled(
       init=jax.jit(init_fn, out_shardings=state_sh),

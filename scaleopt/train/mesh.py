@@ -281,3 +281,20 @@ def state_shardings(mesh: Mesh, tree_shape: Any, params_shape: Any, param_sh: An
 
   return jax.tree_util.tree_map_with_path(pick_node, tree_shape,
                                           is_leaf=lambda x: isinstance(x, ShampooFactors))
+
+
+def in_memory_of(fn: Callable, args: tuple, shardings: Any) -> Any:
+  """``shardings`` (a tree matching ``fn(*args)``'s output) with ``memory_kind="pinned_host"``
+  on the leaves that ``fn`` puts in host memory (``jax.device_put(x, jax.memory.Space.Host)``,
+  e.g. Shampoo's ``offload_statistics``), read from the traced output types: a jit with these
+  out/in shardings keeps them there between steps. Unchanged on JAX without memory spaces."""
+  space = getattr(getattr(jax, "memory", None), "Space", None)
+  if space is None:
+    return shardings
+  host = [getattr(a, "memory_space", None) == space.Host
+          for a in jax.make_jaxpr(fn)(*args).out_avals]
+  leaves, treedef = jax.tree.flatten(shardings)
+  if len(leaves) != len(host):
+    raise ValueError(f"in_memory_of: {len(leaves)} shardings for {len(host)} outputs")
+  return treedef.unflatten([s.with_memory_kind("pinned_host") if h else s
+                            for s, h in zip(leaves, host)])

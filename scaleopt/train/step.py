@@ -46,7 +46,11 @@ def init_state(model: bridge.Model, tx: optax.GradientTransformation, seed: int)
 
 
 def _select(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:
-  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+  """``new`` where ``ok``, else ``old``. Leaves in host memory (offloaded optimizer state) take
+  ``new``: selecting would run on the host or bring them to the device every step, so the
+  transforms that offload keep their old values themselves when the new ones are not finite."""
+  pick = lambda n, o: n if optim.in_host_memory(n) else jnp.where(ok, n, o)
+  return jax.tree.map(pick, new, old)
 
 
 def _lr_step(state: TrainState) -> jax.Array:

@@ -305,23 +305,6 @@ def test_corrected_roots_cut_plugin_bias_5x_fixed_basis():
   assert np.abs(corr).mean() * 5 <= plug.mean(), (plug, corr)
 
 
-def test_root_and_statistics_frequencies():
-  """Roots change only on root steps; with stats_every=2 the factors change every other step."""
-  rng = np.random.default_rng(6)
-  params = {"w": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)}
-  tx = S.scale_by_shampoo(block_size=64, root_every=3, stats_every=2, damping=1e-3)
-  st = tx.init(params)
-  step = jax.jit(tx.update)
-  prev = st.factors["0"]
-  for t in range(7):
-    g = {"w": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)}
-    _, st = step(g, st, params)
-    f = st.factors["0"]
-    assert bool(jnp.any(f.L != prev.L)) == (t % 2 == 0), t
-    assert bool(jnp.any(f.PL != prev.PL)) == (t % 3 == 0), t
-    prev = f
-
-
 def test_errors_name_key_and_choices():
   with pytest.raises(ValueError, match="root_method=.*choose one of"):
     S.scale_by_shampoo(root_method="svd")
@@ -409,3 +392,86 @@ def test_newton_root_does_not_stop_before_small_eigenvalues_converge():
                    np.float64)
   err = np.linalg.norm(got - ref, axis=(1, 2)) / np.linalg.norm(ref, axis=(1, 2))
   assert err.max() < 0.02, err
+
+
+def _memory_kinds(factors):
+  return {f: {getattr(v, f).sharding.memory_kind for v in factors.values()}
+          for f in ShampooFields}
+
+
+ShampooFields = ("L", "R", "PL", "PR")
+
+
+@pytest.mark.parametrize("block,graft", [(4, False), (5, True)])
+def test_offloaded_statistics_match_float64_numpy(block, graft):
+  """With ``offload_statistics`` L, R live in pinned host memory between steps (P_L, P_R on
+  the device) and the update is still the float64 reference's, per coordinate."""
+  rng = np.random.default_rng(1)
+  params = {"w": rng.normal(size=(8, 12)), "v": rng.normal(size=(12, 6)), "b": rng.normal(size=6)}
+  T = 7
+  grads = [{k: rng.normal(size=v.shape) * (1.0 + np.arange(v.shape[-1]) / 3.0)
+            for k, v in params.items()} for _ in range(T)]
+  kw = dict(lr=1e-2, wd=0.1, b1=0.9, b2=0.95, eps=1e-8, damping=1e-3, floor_ratio=1e-3)
+  ref = _np_shampoo(params, grads, block=block, root_every=3, graft=graft, **kw)
+  tx = S.shampoo(kw["lr"], kw["b1"], kw["b2"], kw["eps"], kw["wd"], block_size=block,
+                 root_every=3, damping=kw["damping"], eig_floor_ratio=kw["floor_ratio"],
+                 graft="adam" if graft else "none", offload_statistics=True)
+  th = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  st = tx.init(th)
+  where = {"L": {"pinned_host"}, "R": {"pinned_host"}, "PL": {"device"}, "PR": {"device"}}
+  assert _memory_kinds(st[0].factors) == where
+  step = jax.jit(lambda th, st, g: tx.update(g, st, th))
+  for t in range(T):
+    u, st = step(th, st, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), grads[t]))
+    th = optax.apply_updates(th, u)
+    assert _memory_kinds(st[0].factors) == where, t
+    for k in params:
+      np.testing.assert_allclose(np.asarray(th[k]), ref[t][k], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_root_and_statistics_frequencies(offload):
+  """Roots change only on root steps; with stats_every=2 the factors change every other step
+  (also when they are kept in host memory and come to the device only on those steps)."""
+  rng = np.random.default_rng(6)
+  params = {"w": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)}
+  tx = S.scale_by_shampoo(block_size=64, root_every=3, stats_every=2, damping=1e-3,
+                          offload_statistics=offload)
+  st = tx.init(params)
+  step = jax.jit(tx.update)
+  prev = jax.tree.map(np.asarray, st.factors["0"])
+  for t in range(7):
+    g = {"w": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)}
+    _, st = step(g, st, params)
+    f = jax.tree.map(np.asarray, st.factors["0"])
+    assert bool(np.any(f.L != prev.L)) == (t % 2 == 0), t
+    assert bool(np.any(f.PL != prev.PL)) == (t % 3 == 0), t
+    assert (st.factors["0"].L.sharding.memory_kind == "pinned_host") == offload
+    prev = f
+
+
+def test_offloaded_statistics_keep_their_values_on_a_non_finite_gradient():
+  """The trainer cannot roll host-resident state back on a skipped step, so the transform
+  keeps the old L, R when the new statistics are not finite; finite steps still update them."""
+  rng = np.random.default_rng(2)
+  params = {"w": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)}
+  tx = S.scale_by_shampoo(block_size=64, root_every=100, offload_statistics=True)
+  step = jax.jit(tx.update)
+  g = lambda: {"w": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)}
+  _, st = step(g(), tx.init(params), params)
+  _, st = step(g(), st, params)
+  before = jax.tree.map(np.asarray, st.factors["0"])
+  bad = np.array(g()["w"])
+  bad[2, 1] = np.nan
+  _, st_bad = step({"w": jnp.asarray(bad)}, st, params)
+  after = jax.tree.map(np.asarray, st_bad.factors["0"])
+  np.testing.assert_array_equal(after.L, before.L)
+  np.testing.assert_array_equal(after.R, before.R)
+  _, st_ok = step(g(), st_bad, params)
+  assert np.all(np.isfinite(np.asarray(st_ok.factors["0"].L)))
+  assert np.any(np.asarray(st_ok.factors["0"].L) != before.L)
+
+
+def test_offload_statistics_must_be_a_bool():
+  with pytest.raises(ValueError, match="offload_statistics='yes' must be true or false"):
+    S.scale_by_shampoo(offload_statistics="yes")

@@ -84,3 +84,13 @@ def test_other_optimizers_take_the_learning_rate_linearly(tmp_path, name, extra)
   want = metrics.read_metrics(tmp_path / "ref" / "metrics.jsonl")
   for k in ("loss", "update_norm"):
     np.testing.assert_allclose([r[k] for r in got], [r[k] for r in want], rtol=5e-4, err_msg=k)
+
+
+def test_offloaded_statistics_in_study_cells_are_a_config_error(tmp_path):
+  """Vmapped cells run each cell's statistics step on every step (a batched ``lax.cond``), so
+  host-resident statistics would cross to the device every step: a one-line config error."""
+  raw = copy.deepcopy(_cfg(2e-3, 0, steps=2).to_dict())
+  raw["optimizer"].update(name="shampoo", extra={"block_size": 16, "offload_statistics": True})
+  with pytest.raises(C.ConfigError, match="offload_statistics=true: study cells run vmapped"):
+    vmapped.train_group([C.from_dict(raw)], [tmp_path / "v"], resume_step=None)
+  assert not (tmp_path / "v").exists()
