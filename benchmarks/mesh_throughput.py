@@ -13,6 +13,7 @@ loss in K sequence slices), ``optNAME`` (optimizer, default adamw), ``uK`` (scan
 ``seqT`` (sequence length), ``remat`` / ``dots`` (full / dots rematerialization), ``xNAME``
 (an extra XLA flag from ``XLA_OPTIONS``), ``eKEY=VALUE`` (an ``optimizer.extra`` entry, e.g.
 ``+optadamw_bc+ecrossfit=loo``, ``+optshampoo+eroot_every=10``, ``+emu_dtype=bfloat16``),
+``mKEY=VALUE`` (a ``model`` entry, e.g. ``+mattention_impl=xla``),
 ``fitG`` (the largest batch whose compiled step fits G GiB per device, see below), ``zero``
 (``mesh.shard_optimizer``: the optimizer state split over the data axis, ZeRO-1).
 
@@ -108,6 +109,9 @@ def parse(name: str, defaults: dict) -> dict:
       c["shard_optimizer"] = True
     elif o in ("remat", "dots"):
       c["remat"] = "full" if o == "remat" else "dots"
+    elif re.fullmatch(r"m[a-z][a-z_0-9]*=.+", o):
+      k, v = o[1:].split("=", 1)
+      c["model"] = dict(c.get("model", {}), **{k: _value(v)})
     elif re.fullmatch(r"e[A-Za-z_0-9]+=.+", o):
       k, v = o[1:].split("=", 1)
       c["extra"] = dict(c.get("extra", {}), **{k: _value(v)})
@@ -153,7 +157,8 @@ def train_config(c: dict, batch: int | None = None):
               "plot": False, "tensorboard": False, "seed": 0},
       "model": {"preset": c["preset"], "dtype": c["dtype"], "max_seq_len": c["seq"],
                 "scan_unroll": c["unroll"], "fused_loss": c["fused"],
-                "loss_chunks": c.get("chunks", 1), "remat": c.get("remat", "none")},
+                "loss_chunks": c.get("chunks", 1), "remat": c.get("remat", "none"),
+                **c.get("model", {})},
       "data": {"source": "embedded", "seq_len": c["seq"], "batch_size": batch or c["batch"],
                "microbatches": c["micro"]},
       "optimizer": {"name": c.get("optimizer", "adamw"), "learning_rate": 6e-4,

@@ -24,7 +24,7 @@ def _raw(offload, name="shampoo", **run):
   opt = {**SHAMPOO, "name": name,
          "extra": {**SHAMPOO["extra"], "offload_statistics": offload}}
   return tiny_raw(model={"n_layers": 2}, optimizer=opt, data={"microbatches": 4},
-                  run={"eval_every": 0, **run})
+                  run={"eval_every": 0, "tensorboard": False, **run})
 
 
 def _factors(opt_state):
