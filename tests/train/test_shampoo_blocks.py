@@ -42,6 +42,8 @@ for name, raw in json.loads(sys.argv[2]).items():
   moves = len(MOVES.findall(step.as_text()))
   for b in batches:
     state, _ = step(state, b)
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)}
+  out[name + "_kinds"] = sorted(kinds)
   flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
   np.savez(os.path.join(sys.argv[1], name + ".npz"),
            **{jax.tree_util.keystr(p): np.asarray(x) for p, x in flat})
@@ -67,7 +69,9 @@ def runs(tmp_path_factory):
           "layers": _raw(SHAMPOO, block_major="layers"),
           # the collector blocks each group-B gradient too (cross-fit, eigenvalue variances)
           "bc_major": _raw({**SHAMPOO, "name": "shampoo_bc"}, micro=4),
-          "bc_layers": _raw({**SHAMPOO, "name": "shampoo_bc"}, micro=4, block_major="layers")}
+          "bc_layers": _raw({**SHAMPOO, "name": "shampoo_bc"}, micro=4, block_major="layers"),
+          # statistics in host memory, their blocks split over the two devices
+          "major_offload": _raw(SHAMPOO, offload_statistics=True)}
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   r = subprocess.run([sys.executable, "-c", SCRIPT, str(d), json.dumps(raws)], cwd=ROOT,
@@ -91,6 +95,17 @@ def test_block_orders_give_the_same_update(runs, name):
     np.testing.assert_allclose(major[k], layers[k], rtol=1e-5, atol=1e-6, err_msg=k)
   # Shampoo really preconditioned: its matrices differ from AdamW's after the same steps
   assert max(float(np.abs(major[k] - adamw[k]).max()) for k in major.files) > 1e-4
+
+
+def test_offloaded_statistics_split_over_devices_give_the_same_update(runs):
+  """L, R sharded over the mesh and kept in host memory: same parameters, no data moved."""
+  d, moves = runs
+  assert moves["major_offload_kinds"] == ["device", "pinned_host"], moves
+  assert moves["major_kinds"] == ["device"], moves
+  assert moves["major_offload"] <= moves["adamw"], moves
+  major, off = (np.load(d / f"{n}.npz") for n in ("major", "major_offload"))
+  for k in major.files:
+    np.testing.assert_allclose(off[k], major[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_resuming_with_the_other_block_order_is_a_clear_error(tmp_path):
