@@ -646,17 +646,18 @@ def _ema_factors(f, keys, sl, sr, b2):
 
 def _statistics_io(offload: bool):
   """(load, store) of the factors' statistics L, R. ``load(f)``: L, R in device memory.
-  ``store(new, old, f)``: with ``offload``, the new L, R (the old ones, loaded, when any new one
-  is not finite: the trainer's skip guard cannot roll back host-resident state) back where
-  ``f``'s were (host memory, unless the caller placed the state on the device); without, the
-  new factors as they are."""
+  ``store(new, old, f, step_ok)``: with ``offload``, the new L, R (the old ones, loaded, when
+  any new one is not finite or ``step_ok`` is false: the trainer's skip guard cannot roll back
+  host-resident state) back where ``f``'s were (host memory, unless the caller placed the
+  state on the device); without, the new factors as they are."""
   def load(f):
     return {k: v._replace(L=_to_device(v.L), R=_to_device(v.R)) for k, v in f.items()}
 
-  def store(new, old, f):
+  def store(new, old, f, step_ok):
     if not offload or not new:
       return new
-    ok = jnp.all(jnp.stack([jnp.isfinite(jnp.sum(v.L) + jnp.sum(v.R)) for v in new.values()]))
+    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for v in new.values() for x in (v.L, v.R)]))
+    ok = ok & step_ok
 
     def keep(n, o, where):
       x = _on_owner(jnp.where(ok, n, o))
@@ -666,6 +667,51 @@ def _statistics_io(offload: bool):
             for k, v in new.items()}
 
   return load, store
+
+
+def _update_factors(f, g_l, blk, keys, count, pre, step_ok, *, mode, stats_every, root_every,
+                    b2, stats_precision, offload, root_kw):
+  """The factors after this step: std takes the statistics of the step's gradient every
+  ``stats_every`` steps and the roots every ``root_every`` steps (from the new statistics when
+  both fall on one step, on the same device copy); BC modes take B's statistics and the roots
+  on the collector's root steps. With ``offload`` L, R come to the device once per step that
+  uses them."""
+  if not keys:
+    return f
+  load, store = _statistics_io(offload)
+  roots = lambda d: _roots(d, keys, pre, **root_kw)
+  if mode != "std":
+    def refresh(f):
+      old = load(f)
+      new = roots(_ema_factors(old, keys, pre.stat_L, pre.stat_R, b2))
+      return store(new, old, f, step_ok)
+    return jax.lax.cond(pre.root, refresh, lambda f: f, f)
+  is_root = count % root_every == 0
+
+  def statistics(f):
+    gram = {k: _gram(_on_owner(to_blocks(g_l[int(k)], blk[k])), stats_precision) for k in keys}
+    old = load(f)
+    new = _ema_factors(old, keys, {k: v[0] for k, v in gram.items()},
+                       {k: v[1] for k, v in gram.items()}, b2)
+    return store(jax.lax.cond(is_root, roots, lambda d: d, new), old, f, step_ok)
+
+  def roots_only(f):  # L, R read, not changed: they stay where they are kept
+    def run(f):
+      new = roots(load(f))
+      return {k: new[k]._replace(L=f[k].L, R=f[k].R) for k in keys}
+    return jax.lax.cond(is_root, run, lambda f: f, f)
+
+  if stats_every == 1:
+    return statistics(f)
+  return jax.lax.cond(count % stats_every == 0, statistics, roots_only, f)
+
+
+def _step_ok(bc_stats: Optional[BCStats]) -> jax.Array:
+  """False when ``bc_stats`` reports a non-finite loss or gradient: a step the trainer skips."""
+  if bc_stats is None:
+    return jnp.bool_(True)
+  ok = jnp.isfinite(bc_stats.loss)
+  return ok if bc_stats.full is None else ok & jnp.isfinite(optax.global_norm(bc_stats.full))
 
 
 def _direction(g, mu, nu, f, blk, graft, adam, update_clip_fro, precision):
@@ -853,7 +899,7 @@ def scale_by_shampoo(
             newton_iters=newton_iters, newton_precision=newton_precision, mode=mode,
             damping=damping, matmul_precision=matmul_precision, stats_precision=stats_precision,
             eigh_implementation=eigh_implementation, block_major=block_major,
-      offload_statistics=offload_statistics)
+            offload_statistics=offload_statistics)
   spec = shampoo_collector_spec(mode, crossfit, root_every, block_size, stats_precision,
                                 eigh_implementation, block_major)
   ab1 = b1 if adam_b1 is None else adam_b1
@@ -887,32 +933,10 @@ def scale_by_shampoo(
     mu_l, nu_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
     keys = sorted(state.factors)
     blk = _blockings(updates, keys, block_size, block_major)
-    fac = state.factors
-    load, store = _statistics_io(offload_statistics)
-    if mode == "std":  # statistics of the step's gradient every stats_every steps
-      def statistics(f):
-        gram = {k: _gram(_on_owner(to_blocks(g_l[int(k)], blk[k])), stats_precision)
-                for k in keys}
-        old = load(f)
-        return store(_ema_factors(old, keys, {k: v[0] for k, v in gram.items()},
-                                  {k: v[1] for k, v in gram.items()}, b2), old, f)
-
-      def do_roots(f):  # reads L, R where they are kept
-        new = _roots(load(f), keys, pre, **root_kw)
-        return {k: new[k]._replace(L=f[k].L, R=f[k].R) for k in keys}
-
-      fac = (statistics(fac) if stats_every == 1 else
-             jax.lax.cond(count % stats_every == 0, statistics, lambda f: f, fac))
-      is_root = count % root_every == 0
-    else:  # BC: B's statistics enter on root steps
-      def do_roots(f):
-        old = load(f)
-        return store(_roots(_ema_factors(old, keys, pre.stat_L, pre.stat_R, b2), keys, pre,
-                            **root_kw), old, f)
-
-      is_root = pre.root
-    if keys:
-      fac = jax.lax.cond(is_root, do_roots, lambda f: f, fac)
+    fac = _update_factors(state.factors, g_l, blk, keys, count, pre, _step_ok(bc_stats),
+                          mode=mode, stats_every=stats_every, root_every=root_every, b2=b2,
+                          stats_precision=stats_precision, offload=offload_statistics,
+                          root_kw=root_kw)
     out_u, out_mu, out_nu = _all_directions(
         orig_l, g_l, mu_l, nu_l, fac, blk, count_inc.astype(jnp.float32),
         dict(b1=b1, ab1=ab1, ab2=ab2, eps=eps, graft=graft, update_clip_fro=update_clip_fro,

@@ -210,7 +210,7 @@ def dump_config(cfg: TrainConfig, path: str | pathlib.Path) -> None:
 # Keys (and sections, with everything under them) a resumed run may change: when and how much
 # to train, log, evaluate, profile and checkpoint, the schedule's end, the device layout, and
 # ``model.init_from`` (only read by fresh runs), and where Shampoo keeps its statistics
-# (``offload_statistics``: the same values in host or device memory). Anything else (seed,
+# (``offload_statistics``: where the statistics live, not what they are). Anything else (seed,
 # data, model, optimizer) would make the continued run a different experiment than its
 # checkpoints.
 RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_batches",

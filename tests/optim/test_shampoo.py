@@ -472,6 +472,26 @@ def test_offloaded_statistics_keep_their_values_on_a_non_finite_gradient():
   assert np.any(np.asarray(st_ok.factors["0"].L) != before.L)
 
 
+def test_offloaded_statistics_skip_a_step_the_trainer_skips():
+  """A finite gradient with a non-finite loss (``bc_stats.loss``): the trainer skips the step
+  and cannot roll host-resident L, R back, so the transform leaves them as they were; the
+  on-device form takes the statistics (the trainer's select restores them there)."""
+  rng = np.random.default_rng(3)
+  params = {"w": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)}
+  g = {"w": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)}
+  stats = lambda loss: so.BCStats(g, g, None, None, None, jnp.float32(loss), {}, 1.0, None)
+  for offload in (True, False):
+    tx = S.scale_by_shampoo(block_size=64, root_every=100, offload_statistics=offload)
+    step = jax.jit(lambda g, st, l: tx.update(g, st, params, bc_stats=stats(l)))
+    _, st = step(g, tx.init(params), 1.0)
+    before = np.asarray(st.factors["0"].L)
+    _, st_bad = step(g, st, np.nan)
+    changed = np.any(np.asarray(st_bad.factors["0"].L) != before)
+    assert changed != offload, offload
+    _, st_ok = step(g, st, 2.0)
+    assert np.any(np.asarray(st_ok.factors["0"].L) != before)
+
+
 def test_offload_statistics_must_be_a_bool():
   with pytest.raises(ValueError, match="offload_statistics='yes' must be true or false"):
     S.scale_by_shampoo(offload_statistics="yes")

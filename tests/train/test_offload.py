@@ -61,6 +61,7 @@ def _same_state(got, want):
   their near-null directions (entries ~ damping^(-1/4) = 31.6) turn float32 rounding
   differences of L, R into differences of ~1e-3 (one part in 3e4)."""
   flat = lambda t: jax.tree_util.tree_flatten_with_path(t)[0]
+  assert [p for p, _ in flat(want)] == [p for p, _ in flat(got)]
   for (path, a), (_, b) in zip(flat(want), flat(got)):
     a, b, key = np.asarray(a), np.asarray(b), jax.tree_util.keystr(path)
     if key.endswith((".PL", ".PR")):
