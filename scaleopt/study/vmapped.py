@@ -102,7 +102,7 @@ def group_fns(s: loop.Setup, n: int, shared_batch: bool, key: Optional[str] = No
   # init, restore and step all place the state on the setup's (one-device) mesh, so the
   # state the step returns has the type of the state it took: no second compile.
   rep = NamedSharding(s.mesh, P())
-  _check_no_offload(init, rep)
+  _check_no_offload(init)
   fns = GroupFns(
       init=jax.jit(_cellwise(init, (0,), n), out_shardings=rep),
       step=jax.jit(_cellwise(one_step, (0, None if shared_batch else 0, 0), n),
@@ -114,13 +114,10 @@ def group_fns(s: loop.Setup, n: int, shared_batch: bool, key: Optional[str] = No
   return fns
 
 
-def _check_no_offload(init: Callable, sharding: NamedSharding) -> None:
+def _check_no_offload(init: Callable) -> None:
   """Cells batch their optimizer's ``lax.cond`` (each cell has its own step count), which runs
   both branches every step: state kept in host memory would cross to the device every step."""
-  shape = jax.eval_shape(init, jnp.zeros((), jnp.int32))
-  placed = mesh_lib.in_memory_of(init, (jnp.zeros((), jnp.int32),),
-                                 jax.tree.map(lambda _: sharding, shape))
-  if any(sh.memory_kind == "pinned_host" for sh in jax.tree.leaves(placed)):
+  if any(mesh_lib.host_resident(init, (jnp.zeros((), jnp.int32),))):
     raise ConfigError("optimizer.extra.offload_statistics=true: study cells run vmapped, where "
                       "a statistics step runs on every step; set it to false in the study")
 

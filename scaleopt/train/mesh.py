@@ -283,16 +283,20 @@ def state_shardings(mesh: Mesh, tree_shape: Any, params_shape: Any, param_sh: An
                                           is_leaf=lambda x: isinstance(x, ShampooFactors))
 
 
+def host_resident(fn: Callable, args: tuple) -> list:
+  """Per output leaf of ``fn(*args)``, whether ``fn`` puts it in host memory
+  (``jax.device_put(x, jax.memory.Space.Host)``, e.g. Shampoo's ``offload_statistics``), read
+  from the traced output types; all False on JAX without memory spaces."""
+  space = getattr(getattr(jax, "memory", None), "Space", None)
+  avals = jax.make_jaxpr(fn)(*args).out_avals
+  return [space is not None and getattr(a, "memory_space", None) == space.Host for a in avals]
+
+
 def in_memory_of(fn: Callable, args: tuple, shardings: Any) -> Any:
   """``shardings`` (a tree matching ``fn(*args)``'s output) with ``memory_kind="pinned_host"``
-  on the leaves that ``fn`` puts in host memory (``jax.device_put(x, jax.memory.Space.Host)``,
-  e.g. Shampoo's ``offload_statistics``), read from the traced output types: a jit with these
-  out/in shardings keeps them there between steps. Unchanged on JAX without memory spaces."""
-  space = getattr(getattr(jax, "memory", None), "Space", None)
-  if space is None:
-    return shardings
-  host = [getattr(a, "memory_space", None) == space.Host
-          for a in jax.make_jaxpr(fn)(*args).out_avals]
+  on the leaves that ``fn`` puts in host memory (``host_resident``): a jit with these out/in
+  shardings keeps them there between steps."""
+  host = host_resident(fn, args)
   leaves, treedef = jax.tree.flatten(shardings)
   if len(leaves) != len(host):
     raise ValueError(f"in_memory_of: {len(leaves)} shardings for {len(host)} outputs")

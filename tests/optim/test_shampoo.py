@@ -134,18 +134,25 @@ def _np_shampoo(params, grads, *, lr, wd, b1, b2, eps, block, root_every, dampin
   return traj
 
 
-@pytest.mark.parametrize("block,graft", [(64, False), (4, False), (5, True)])
-def test_std_update_rule_matches_float64_numpy(block, graft):
+def _reference_case(block, graft, steps, **shampoo_kw):
+  """(params, gradients, float64 reference trajectory, the ``S.shampoo`` transform) of one
+  small problem: two matrices and a vector, roots every 3 steps."""
   rng = np.random.default_rng(1)
   params = {"w": rng.normal(size=(8, 12)), "v": rng.normal(size=(12, 6)), "b": rng.normal(size=6)}
-  T = 12
   grads = [{k: rng.normal(size=v.shape) * (1.0 + np.arange(v.shape[-1]) / 3.0)
-            for k, v in params.items()} for _ in range(T)]
+            for k, v in params.items()} for _ in range(steps)]
   kw = dict(lr=1e-2, wd=0.1, b1=0.9, b2=0.95, eps=1e-8, damping=1e-3, floor_ratio=1e-3)
   ref = _np_shampoo(params, grads, block=block, root_every=3, graft=graft, **kw)
   tx = S.shampoo(kw["lr"], kw["b1"], kw["b2"], kw["eps"], kw["wd"], block_size=block,
                  root_every=3, damping=kw["damping"], eig_floor_ratio=kw["floor_ratio"],
-                 graft="adam" if graft else "none")
+                 graft="adam" if graft else "none", **shampoo_kw)
+  return params, grads, ref, tx
+
+
+@pytest.mark.parametrize("block,graft", [(64, False), (4, False), (5, True)])
+def test_std_update_rule_matches_float64_numpy(block, graft):
+  T = 12
+  params, grads, ref, tx = _reference_case(block, graft, T)
   th = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
   st = tx.init(th)
   step = jax.jit(lambda th, st, g: tx.update(g, st, th))
@@ -396,26 +403,15 @@ def test_newton_root_does_not_stop_before_small_eigenvalues_converge():
 
 def _memory_kinds(factors):
   return {f: {getattr(v, f).sharding.memory_kind for v in factors.values()}
-          for f in ShampooFields}
-
-
-ShampooFields = ("L", "R", "PL", "PR")
+          for f in S.ShampooFactors._fields}
 
 
 @pytest.mark.parametrize("block,graft", [(4, False), (5, True)])
 def test_offloaded_statistics_match_float64_numpy(block, graft):
   """With ``offload_statistics`` L, R live in pinned host memory between steps (P_L, P_R on
   the device) and the update is still the float64 reference's, per coordinate."""
-  rng = np.random.default_rng(1)
-  params = {"w": rng.normal(size=(8, 12)), "v": rng.normal(size=(12, 6)), "b": rng.normal(size=6)}
   T = 7
-  grads = [{k: rng.normal(size=v.shape) * (1.0 + np.arange(v.shape[-1]) / 3.0)
-            for k, v in params.items()} for _ in range(T)]
-  kw = dict(lr=1e-2, wd=0.1, b1=0.9, b2=0.95, eps=1e-8, damping=1e-3, floor_ratio=1e-3)
-  ref = _np_shampoo(params, grads, block=block, root_every=3, graft=graft, **kw)
-  tx = S.shampoo(kw["lr"], kw["b1"], kw["b2"], kw["eps"], kw["wd"], block_size=block,
-                 root_every=3, damping=kw["damping"], eig_floor_ratio=kw["floor_ratio"],
-                 graft="adam" if graft else "none", offload_statistics=True)
+  params, grads, ref, tx = _reference_case(block, graft, T, offload_statistics=True)
   th = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
   st = tx.init(th)
   where = {"L": {"pinned_host"}, "R": {"pinned_host"}, "PL": {"device"}, "PR": {"device"}}
