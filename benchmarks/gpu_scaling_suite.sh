@@ -48,6 +48,12 @@
 #   SUITE_PLAN=two bash benchmarks/gpu_scaling_suite.sh OUT_DIR     (2 GPUs: root solvers at
 #       block 768 and Newton by iteration count; Shampoo at block 768 on 1 and 2 GPUs, data2 +
 #       ZeRO-1, no root steps)
+#   SUITE_PLAN=shards bash benchmarks/gpu_scaling_suite.sh OUT_DIR  (4 GPUs, under 9.5 minutes:
+#       AdamW fsdp4 and Shampoo fsdp4 (defaults) with blocks cut as on one GPU and per FSDP
+#       shard (block_shards: fsdp), up to five passes in alternating row order (each one
+#       process; the first pass also without root steps); between the first pass and the others, bias
+#       correction with its microbatches on the fsdp axis (adamw_bc LOO, sophia_bc) and on
+#       data4 + ZeRO-1, against AdamW fsdp4)
 #   SCALEOPT_SUITE_DRY=1 [SUITE_PLAN=rerun] bash benchmarks/gpu_scaling_suite.sh OUT_DIR
 #       (CPU plumbing check: every configuration tiny, on simulated devices)
 #
@@ -67,7 +73,9 @@ case "$PLAN" in
   full) BUDGET=${SUITE_BUDGET:-470}; DEADLINE=${SUITE_DEADLINE:-525} ;;
   rerun) BUDGET=${SUITE_BUDGET:-180}; DEADLINE=${SUITE_DEADLINE:-205} ;;
   open|roots|two|blocks) BUDGET=${SUITE_BUDGET:-470}; DEADLINE=${SUITE_DEADLINE:-525} ;;
-  *) echo "SUITE_PLAN=$PLAN: expected full, rerun, open, roots, two or blocks" >&2; exit 2 ;;
+  shards) BUDGET=${SUITE_BUDGET:-520}; DEADLINE=${SUITE_DEADLINE:-565} ;;
+  *) echo "SUITE_PLAN=$PLAN: expected full, rerun, open, roots, two, blocks or shards" >&2
+     exit 2 ;;
 esac
 DRY=${SCALEOPT_SUITE_DRY:-0}
 if [ "$DRY" = 1 ]; then  # slow CPU compiles: every configuration runs, whatever it takes
@@ -213,6 +221,16 @@ newton:TF32_TF32_F32:10,newton:TF32_TF32_F32:12,newton:TF32_TF32_F32:15
 data2+b64+m1+optshampoo+zero+$EIGH+$TF32,\
 data2+b64+m1+optshampoo+zero+$EIGH+$TF32+eblock_size=768,\
 fsdp2+b64+m1+optshampoo+$EIGH+$TF32+eroot_every=1000" --same-process --steps "$LONG"
+elif [ "$PLAN" = shards ]; then
+  A=fsdp4+b64+m1; S=$A+optshampoo; H=$S+eblock_shards=fsdp
+  mt shards_1 100 "$A,$S,$H,$H+eroot_every=1000" --same-process --steps "$LONG"
+  V=evmap_microbatches=true
+  mt bc_fsdp 90 "$A,fsdp4+b64+m4+optadamw_bc+$V,fsdp4+b32+m4+optsophia_bc+$V,\
+data4+b64+m4+optadamw_bc+$V+zero" --same-process
+  for pass in 2 3 4 5; do  # as many as the budget allows
+    if [ $((pass % 2)) = 0 ]; then C="$H,$S,$A"; else C="$A,$S,$H"; fi
+    mt "shards_$pass" 70 "$C" --same-process --steps "$LONG"
+  done
 else
   Q=pqwen2.5-0.5b
   # the fit row first: it compiles at 8 and 16 per GPU (8 is cached for the check row) and

@@ -100,15 +100,30 @@ _BLOCK_PERM = {None: (0, 1, 3, 2, 4), -2: (1, 0, 3, 2, 4), -1: (3, 0, 1, 2, 4)}
 MAJORS = tuple(_BLOCK_PERM)
 
 
-def blocking(shape: tuple[int, ...], block_size: int, major: Optional[int] = None) -> Blocking:
+def _cut(d: int, block_size: int, shards: int = 1) -> tuple[int, int]:
+  """(nb, bs) of one dim of size d: nb = ceil(d / block_size) blocks of ceil(d / nb), the last
+  padded; with ``shards`` > 1 dividing d, each of the ``shards`` equal parts of d is cut into
+  the fewest equal blocks of at most ``block_size`` (no padding: no block spans two parts)."""
+  if shards > 1 and d % shards == 0:
+    c = d // shards
+    per = next(k for k in range(max(1, math.ceil(c / block_size)), c + 1) if c % k == 0)
+    return shards * per, c // per
+  nb = max(1, math.ceil(d / block_size))
+  return nb, math.ceil(d / nb)
+
+
+def blocking(shape: tuple[int, ...], block_size: int, major: Optional[int] = None,
+             shards: int = 1) -> Blocking:
   """The ``Blocking`` of the last two dims: dim d is split into nb = ceil(d / block_size)
-  blocks of size ceil(d / nb) (the last padded with zeros when nb does not divide d)."""
+  blocks of size ceil(d / nb) (the last padded with zeros when nb does not divide d). With
+  ``major`` set and ``shards`` > 1 dividing that dim, the dim is first cut into ``shards``
+  equal parts (a mesh axis's shards) and each part into equal blocks of at most
+  ``block_size``: every block then lies in one shard (``_cut``)."""
   if major not in _BLOCK_PERM:
     raise ValueError(f"block major={major!r}; choose one of {MAJORS}")
   out = []
-  for d in shape[-2:]:
-    nb = max(1, math.ceil(d / block_size))
-    out += [nb, math.ceil(d / nb)]
+  for axis, d in zip((-2, -1), shape[-2:]):
+    out += _cut(d, block_size, shards if axis == major else 1)
   return Blocking(*out, major)
 
 
@@ -441,10 +456,11 @@ def _check_int(name, v, lo=1):
 def shampoo_collector_spec(mode: str, crossfit: str, root_every: int, block_size: int,
                            stats_precision: str = "highest",
                            eigh_implementation: Optional[str] = None,
-                           block_major: Optional[Callable] = None) -> CollectorSpec:
+                           block_major: Optional[Callable] = None,
+                           block_shards: int = 1) -> CollectorSpec:
   """The estimator pass these settings need (``std``: the plain collector); the B-side
   statistics G_j G_j^T, G_j^T G_j take ``stats_precision``, the two-pass eigendecomposition
-  ``eigh_implementation``, the blocks ``block_major``'s order."""
+  ``eigh_implementation``, the blocks ``block_major``'s order and ``block_shards``' cut."""
   check_choice("mode", mode, MODES)
   check_choice("crossfit", crossfit, CROSSFITS)
   if mode == "std":
@@ -452,7 +468,7 @@ def shampoo_collector_spec(mode: str, crossfit: str, root_every: int, block_size
   layout = "all" if mode == "inv" else crossfit
   opts = (("two_pass", mode in ("inv", "full")), ("block_size", block_size),
           ("stats_precision", stats_precision), ("eigh_implementation", eigh_implementation),
-          ("block_major", block_major))
+          ("block_major", block_major), ("block_shards", block_shards))
   return CollectorSpec(layout=layout, estimator="shampoo", refresh_every=root_every,
                        estimator_options=opts, stateful=True)
 
@@ -462,20 +478,29 @@ def _blocks_of(g, blk, c=1.0):
   return {k: to_blocks(c * leaves[int(k)].astype(jnp.float32), b) for k, b in blk.items()}
 
 
-def _blockings(tree, keys, block_size, block_major) -> dict:
-  """{key: ``Blocking``} of the factored tensors ``keys`` (flattened-leaf indices of ``tree``),
-  ordered by ``block_major``: layers first unless it is a callable tree -> pytree of dims (None,
-  or a dim of the tensor; only its last two dims order blocks)."""
+def _major_dims(tree, block_major) -> list:
+  """Per flattened leaf of ``tree`` the dim (-2, -1 or None) whose blocks lead
+  (``block_major``: None / ``layers``, or a callable tree -> pytree of dims; only a tensor's
+  last two dims order blocks)."""
   leaves, td = jax.tree.flatten(tree, is_leaf=_is_masked)
-  dims = ([None] * len(leaves) if block_major is None or block_major == "layers"
-          else td.flatten_up_to(block_major(tree)))
-  out = {}
-  for k in keys:
-    shape, d = jnp.shape(leaves[int(k)]), dims[int(k)]
+  if block_major is None or block_major == "layers":
+    return [None] * len(leaves)
+  out = []
+  for x, d in zip(leaves, td.flatten_up_to(block_major(tree))):
     if d is not None and int(d) >= 0:
-      d = int(d) - len(shape)
-    out[k] = blocking(shape, block_size, d if d in (-2, -1) else None)
+      d = int(d) - jnp.ndim(x)
+    out.append(d if d in (-2, -1) else None)
   return out
+
+
+def _blockings(tree, keys, block_size, block_major, block_shards=1) -> dict:
+  """{key: ``Blocking``} of the factored tensors ``keys`` (flattened-leaf indices of ``tree``),
+  ordered by ``block_major`` (``_major_dims``), the major dim cut into ``block_shards``
+  shards first."""
+  leaves = jax.tree.leaves(tree, is_leaf=_is_masked)
+  dims = _major_dims(tree, block_major)
+  return {k: blocking(jnp.shape(leaves[int(k)]), block_size, dims[int(k)], block_shards)
+          for k in keys}
 
 
 def _eig_variances(grad_fn, params, mbs_b, keys, blk, eig_l, eig_r, b2, c):
@@ -560,7 +585,7 @@ def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collect
     raise ValueError(f"the eigenvalue-variance correction needs >= 2 microbatches in group B, "
                      f"got {m_b}")
   keys = sorted(st.factors)
-  blk = _blockings(params, keys, opts["block_size"], opts["block_major"])
+  blk = _blockings(params, keys, opts["block_size"], opts["block_major"], opts["block_shards"])
   for k in keys:
     shape, b = jax.tree.leaves(params)[int(k)].shape, blk[k]
     if st.factors[k].L.shape != (math.prod(shape[:-2]) * b.nb1 * b.nb2, b.bs1, b.bs1):
@@ -591,8 +616,10 @@ register_estimator("shampoo", shampoo_collect)
 
 # ----------------------------------------------------------------------------- transform
 
-def _init(params, exclude, eligible, block_size, graft, mu_dtype, offload):
+def _init(params, exclude, eligible, block_size, graft, mu_dtype, offload, block_major,
+          block_shards):
   leaves, td = jax.tree.flatten(params, is_leaf=_is_masked)
+  dims = _major_dims(params, block_major)
   ex = exclude(params) if callable(exclude) else exclude
   excl = [False] * len(leaves) if exclude is None else [bool(e) for e in td.flatten_up_to(ex)]
   stack_sizes = {p.shape[0] for p in leaves if not _is_masked(p) and jnp.ndim(p) >= 3}
@@ -603,7 +630,7 @@ def _init(params, exclude, eligible, block_size, graft, mu_dtype, offload):
       continue
     ok = eligible(p, e, stack_sizes)
     if ok:
-      nb1, bs1, nb2, bs2, _ = blocking(p.shape, block_size)
+      nb1, bs1, nb2, bs2, _ = blocking(p.shape, block_size, dims[i], block_shards)
       n = math.prod(p.shape[:-2]) * nb1 * nb2
       eye = lambda s: jnp.broadcast_to(jnp.eye(s, dtype=jnp.float32), (n, s, s))
       stat = lambda s: jnp.zeros((n, s, s), jnp.float32)
@@ -736,7 +763,8 @@ def _direction(g, mu, nu, f, blk, graft, adam, update_clip_fro, precision):
 
 def _validate(*, root_method, graft, stacked, block_size, stats_every, root_every, max_dim,
               newton_iters, mode, damping, matmul_precision, stats_precision,
-              eigh_implementation, newton_precision, block_major, offload_statistics):
+              eigh_implementation, newton_precision, block_major, block_shards,
+              offload_statistics):
   check_choice("root_method", root_method, ROOT_METHODS)
   check_choice("matmul_precision", matmul_precision, PRECISIONS)
   check_choice("newton_precision", newton_precision, PRECISIONS)
@@ -756,6 +784,12 @@ def _validate(*, root_method, graft, stacked, block_size, stats_every, root_ever
   if not (block_major is None or block_major == "layers" or callable(block_major)):
     raise ValueError(f"block_major={block_major!r} must be None, 'layers' or a callable "
                      "params -> pytree of dims")
+  if not isinstance(block_shards, int) or isinstance(block_shards, bool) or block_shards < 1:
+    raise ValueError(f"block_shards={block_shards!r} must be an integer >= 1 (in a training "
+                     "config, 'fsdp': mesh.fsdp)")
+  if block_shards > 1 and block_major == "layers":
+    raise ValueError(f"block_shards={block_shards} cuts each tensor's block_major dim into "
+                     "shards; block_major='layers' has none (remove one of the two)")
   if not isinstance(offload_statistics, bool):
     raise ValueError(f"offload_statistics={offload_statistics!r} must be true or false")
   if offload_statistics and not hasattr(getattr(jax, "memory", None), "Space"):
@@ -826,6 +860,7 @@ def scale_by_shampoo(
     exclude: Optional[Union[PyTree, Callable[[PyTree], PyTree]]] = None,
     stacked: str = "auto",
     block_major: Union[None, str, Callable[[PyTree], PyTree]] = None,
+    block_shards: int = 1,
     mode: str = "std",
     crossfit: str = "ab",
     correction_scale: float = 1.0,
@@ -871,6 +906,14 @@ def scale_by_shampoo(
       FSDP dims (``scaleopt.models.fsdp_dims``): a mesh that splits that dim then splits the
       blocks alike, and no gradient or direction moves between devices to be blocked. The
       order is part of the stored factors: resume a run with the order it was saved with.
+    block_shards: cut each tensor's ``block_major`` dim into this many equal shards before
+      blocking it, each shard into the fewest equal blocks of at most ``block_size``
+      (``blocking``). With the mesh's FSDP size every block lies in the rows (columns) one
+      device holds, also where a shard is smaller than a block (gpt2-small's d = 768 on 4
+      devices: blocks of 192 instead of 384), so blocking moves no data on any FSDP size; the
+      blocks, and so the preconditioner, then depend on that size (1, the default: they do
+      not). Only a tensor with a ``block_major`` dim is cut so (None: none is); a dim the
+      shards do not divide is blocked as usual.
     mode: ``std|cf|inv|full``; crossfit: ``ab`` or ``rolling_b``.
     correction_scale: multiplies the (5/32) lam^{-9/4} Var term.
     mu_dtype: dtype of the stored momentum M (None: float32; as ``optax.adamw``'s
@@ -899,9 +942,9 @@ def scale_by_shampoo(
             newton_iters=newton_iters, newton_precision=newton_precision, mode=mode,
             damping=damping, matmul_precision=matmul_precision, stats_precision=stats_precision,
             eigh_implementation=eigh_implementation, block_major=block_major,
-            offload_statistics=offload_statistics)
+            block_shards=block_shards, offload_statistics=offload_statistics)
   spec = shampoo_collector_spec(mode, crossfit, root_every, block_size, stats_precision,
-                                eigh_implementation, block_major)
+                                eigh_implementation, block_major, block_shards)
   ab1 = b1 if adam_b1 is None else adam_b1
   ab2 = b2 if adam_b2 is None else adam_b2
   hp = lambda: {k: jnp.asarray(v, jnp.float32) for k, v in
@@ -916,7 +959,7 @@ def scale_by_shampoo(
 
   def init_fn(params):
     mu, nu, factors = _init(params, exclude, eligible, block_size, graft, mu_dt,
-                            offload_statistics)
+                            offload_statistics, block_major, block_shards)
     return ScaleByShampooState(jnp.zeros([], jnp.int32), mu, nu, factors, Static(spec), hp())
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
@@ -932,7 +975,7 @@ def scale_by_shampoo(
     g_l = [g if _is_masked(g) else g.astype(jnp.float32) for g in orig_l]
     mu_l, nu_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
     keys = sorted(state.factors)
-    blk = _blockings(updates, keys, block_size, block_major)
+    blk = _blockings(updates, keys, block_size, block_major, block_shards)
     fac = _update_factors(state.factors, g_l, blk, keys, count, pre, _step_ok(bc_stats),
                           mode=mode, stats_every=stats_every, root_every=root_every, b2=b2,
                           stats_precision=stats_precision, offload=offload_statistics,

@@ -165,6 +165,16 @@ def _check_finite(node: Any, key: str = "") -> None:
       _check_finite(v, f"{key}[{i}]")
 
 
+def _resolve_block_shards(opt: Any, mesh: MeshConfig) -> Any:
+  """``optimizer.extra.block_shards: fsdp`` -> ``mesh.fsdp`` (Shampoo's blocks cut per FSDP
+  shard). Resolved here, so the run's recorded config holds the number: resuming on another
+  FSDP size changes it, and the resume check refuses that before any checkpoint is read."""
+  extra = opt.get("extra") if isinstance(opt, dict) else None
+  if not isinstance(extra, dict) or extra.get("block_shards") != "fsdp":
+    return opt
+  return {**opt, "extra": {**extra, "block_shards": mesh.fsdp}}
+
+
 def from_dict(raw: dict) -> TrainConfig:
   """Validates a raw mapping (as loaded from YAML) and returns a TrainConfig."""
   if not isinstance(raw, dict):
@@ -185,7 +195,7 @@ def from_dict(raw: dict) -> TrainConfig:
   if m.data != -1 and m.data <= 0:
     raise fail("mesh.data", m.data, "must be > 0 or -1 (every device not used by fsdp x tensor)")
   model = _check_model(raw.get("model") or {})
-  opt = _check_optimizer(raw.get("optimizer"), r.steps)
+  opt = _check_optimizer(_resolve_block_shards(raw.get("optimizer"), m), r.steps)
   return TrainConfig(model=model, optimizer=opt, **secs)
 
 

@@ -83,8 +83,9 @@ def test_trainer_fsdp_dims_reach_shampoo_unless_layers_is_asked_for():
 
 
 def _np_shampoo(params, grads, *, lr, wd, b1, b2, eps, block, root_every, damping, floor_ratio,
-                graft=False):
-  """float64 numpy Shampoo with an explicit loop over (padded) blocks; AdamW for 1-D."""
+                graft=False, geo=None):
+  """float64 numpy Shampoo with an explicit loop over (padded) blocks; AdamW for 1-D. ``geo``:
+  {name: (nb1, bs1, nb2, bs2)} given by hand instead of the ceil rule of ``block``."""
   th = {k: v.astype(np.float64).copy() for k, v in params.items()}
   st = {}
   for k, v in th.items():
@@ -92,6 +93,8 @@ def _np_shampoo(params, grads, *, lr, wd, b1, b2, eps, block, root_every, dampin
       d1, d2 = v.shape
       nb1, nb2 = math.ceil(d1 / block), math.ceil(d2 / block)
       bs1, bs2 = math.ceil(d1 / nb1), math.ceil(d2 / nb2)
+      if geo and k in geo:
+        nb1, bs1, nb2, bs2 = geo[k]
       st[k] = dict(M=np.zeros_like(v), nu=np.zeros_like(v), geo=(nb1, bs1, nb2, bs2),
                    L={(i, j): np.zeros((bs1, bs1)) for i in range(nb1) for j in range(nb2)},
                    R={(i, j): np.zeros((bs2, bs2)) for i in range(nb1) for j in range(nb2)},
@@ -161,6 +164,65 @@ def test_std_update_rule_matches_float64_numpy(block, graft):
     th = optax.apply_updates(th, u)
     for k in params:
       np.testing.assert_allclose(np.asarray(th[k]), ref[t][k], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("d,shards,block,want", [
+    (768, 4, 512, (4, 192)),   # gpt2-small's d on 4 FSDP shards: 192-row blocks, not 384
+    (768, 2, 512, (2, 384)),   # on 2 the plain cut already fits the shards
+    (896, 4, 512, (4, 224)),   # qwen2.5-0.5b's d
+    (4864, 4, 512, (16, 304)),  # 1216 rows per shard: 4 blocks of 304 (3 of 406 would pad)
+    (12, 2, 4, (4, 3)),
+    (10, 4, 4, (3, 4))])       # 4 does not divide 10: the plain cut (3 blocks of 4, padded)
+def test_block_shards_keep_every_block_in_one_shard(d, shards, block, want):
+  """With ``shards`` the major dim's blocks tile each shard (no padding, no block across two
+  shards) and the block axis split into ``shards`` equal chunks gives chunk r only rows of
+  shard r; the other dim is cut as without shards."""
+  blk = S.blocking((2, d, 10), block, -2, shards)
+  assert blk[:2] == want and blk[2:4] == S.blocking((2, d, 10), block)[2:4], blk
+  if d % shards:
+    return
+  rows = jnp.broadcast_to(jnp.arange(1, d + 1, dtype=jnp.float32)[:, None], (2, d, 10))
+  chunks = np.asarray(S.to_blocks(rows, blk)).reshape(shards, -1)  # row index + 1, 0: padding
+  for r, chunk in enumerate(chunks):
+    got = set(np.unique(chunk).astype(int)) - {0}
+    assert got == set(range(r * d // shards + 1, (r + 1) * d // shards + 1)), (r, sorted(got))
+
+
+def test_block_shards_match_float64_numpy():
+  """Shampoo with ``block_shards`` = 2 and each tensor's major dim (rows of ``w``, columns of
+  ``v``; ``x``'s 9 columns do not split in 2) against the float64 reference with the block
+  geometry written out by hand; and the geometry differs from the one without shards."""
+  rng = np.random.default_rng(6)
+  params = {"w": rng.normal(size=(12, 8)), "v": rng.normal(size=(8, 12)),
+            "x": rng.normal(size=(6, 9)), "b": rng.normal(size=5)}
+  geo = {"w": (4, 3, 2, 4), "v": (2, 4, 4, 3), "x": (2, 3, 3, 3)}
+  grads = [{k: rng.normal(size=v.shape) for k, v in params.items()} for _ in range(7)]
+  kw = dict(lr=1e-2, wd=0.1, b1=0.9, b2=0.95, eps=1e-8, damping=1e-3, floor_ratio=1e-3)
+  ref = _np_shampoo(params, grads, block=4, root_every=3, graft=True, geo=geo, **kw)
+  major = lambda p: {"w": -2, "v": 1, "x": -1, "b": None}
+  tx = S.shampoo(kw["lr"], kw["b1"], kw["b2"], kw["eps"], kw["wd"], block_size=4,
+                 root_every=3, damping=kw["damping"], eig_floor_ratio=kw["floor_ratio"],
+                 root_method="eigh", block_major=major, block_shards=2)
+  th = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  st = tx.init(th)
+  f = st[0].factors
+  assert [f[k].L.shape[1:] + f[k].R.shape[1:] for k in ("1", "2", "3")] == [
+      (4, 4, 3, 3), (3, 3, 4, 4), (3, 3, 3, 3)]  # leaves b, v, w, x: v's R, w's L cut by shard
+  step = jax.jit(lambda th, st, g: tx.update(g, st, th))
+  for t in range(len(grads)):
+    u, st = step(th, st, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), grads[t]))
+    th = optax.apply_updates(th, u)
+    for k in params:
+      np.testing.assert_allclose(np.asarray(th[k]), ref[t][k], rtol=1e-4, atol=1e-4,
+                                 err_msg=f"{k} step {t}")
+
+
+def test_block_shards_validation():
+  for bad in (0, -1, 2.0, True, "fsdp"):
+    with pytest.raises(ValueError, match="block_shards"):
+      S.scale_by_shampoo(block_shards=bad)
+  with pytest.raises(ValueError, match="block_major='layers'"):
+    S.scale_by_shampoo(block_shards=2, block_major="layers")
 
 
 def test_default_blocks_are_512():

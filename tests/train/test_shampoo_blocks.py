@@ -56,9 +56,9 @@ SHAMPOO = {"name": "shampoo", "learning_rate": 3e-3,
            "extra": {"block_size": 16, "root_every": 2}}  # d_model 32: 2 row blocks of 16
 
 
-def _raw(optimizer, micro=2, **extra):
+def _raw(optimizer, micro=2, mesh=None, **extra):
   opt = {**optimizer, "extra": {**optimizer.get("extra", {}), **extra}}
-  return tiny_raw(model=MODEL, mesh={"data": 1, "fsdp": 2}, optimizer=opt,
+  return tiny_raw(model=MODEL, mesh=mesh or {"data": 1, "fsdp": 2}, optimizer=opt,
                   data={"microbatches": micro})
 
 
@@ -73,7 +73,13 @@ def runs(tmp_path_factory):
           # statistics every other step, in host memory or not, their blocks split over the
           # two devices
           "major_s2": _raw(SHAMPOO, stats_every=2),
-          "major_s2_offload": _raw(SHAMPOO, stats_every=2, offload_statistics=True)}
+          "major_s2_offload": _raw(SHAMPOO, stats_every=2, offload_statistics=True),
+          # one row block of 32 (d_model) spans both FSDP shards; cut per shard it is two of 16,
+          # on the fsdp mesh and, the same blocks, on a data-parallel one
+          "plain32": _raw(SHAMPOO, block_size=32),
+          "shards32": _raw(SHAMPOO, block_size=32, block_shards="fsdp"),
+          "shards32_data2": _raw(SHAMPOO, block_size=32, block_shards=2,
+                                 mesh={"data": 2, "fsdp": 1})}
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   r = subprocess.run([sys.executable, "-c", SCRIPT, str(d), json.dumps(raws)], cwd=ROOT,
@@ -109,6 +115,21 @@ def test_offloaded_statistics_split_over_devices_give_the_same_update(runs):
   major, off = (np.load(d / f"{n}.npz") for n in ("major_s2", "major_s2_offload"))
   for k in major.files:
     np.testing.assert_allclose(off[k], major[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_blocks_cut_per_fsdp_shard_move_no_gradient(runs):
+  """``block_shards: fsdp`` where a block is larger than a shard: the one-block cut moves data
+  between layouts, the per-shard cut does not; the per-shard blocks give the same update on a
+  data-parallel mesh (they depend on ``block_shards``, not on the mesh the step runs on) and
+  another update than the one-block cut."""
+  d, moves = runs
+  assert moves["plain32"] > moves["adamw"], moves
+  assert moves["shards32"] <= moves["adamw"], moves
+  shards, data2, plain = (np.load(d / f"{n}.npz") for n in ("shards32", "shards32_data2",
+                                                            "plain32"))
+  for k in shards.files:
+    np.testing.assert_allclose(shards[k], data2[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  assert max(float(np.abs(shards[k] - plain[k]).max()) for k in shards.files) > 1e-4
 
 
 def test_resuming_with_the_other_block_order_is_a_clear_error(tmp_path):

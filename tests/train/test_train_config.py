@@ -77,3 +77,19 @@ def test_cli_rejects_bad_config_before_compiling(tmp_path, capsys):
   assert not out.exists()  # nothing written, nothing compiled
   rc = train_main(str(tmp_path / "missing.yaml"), str(out))
   assert rc == 2 and "missing.yaml" in capsys.readouterr().err
+
+
+def test_block_shards_fsdp_is_recorded_as_the_fsdp_size_and_another_size_refuses_resume(
+    tmp_path):
+  """``optimizer.extra.block_shards: fsdp`` resolves to ``mesh.fsdp`` in the loaded config (so
+  the run's config.yaml records the number); resuming on another FSDP size changes the blocks'
+  shapes, and the resume check names the key before any checkpoint is read."""
+  raw = tiny_raw(optimizer={"name": "shampoo", "learning_rate": 1e-3,
+                            "extra": {"block_shards": "fsdp"}}, mesh={"data": 1, "fsdp": 2})
+  cfg = C.from_dict(raw)
+  assert cfg.optimizer["extra"]["block_shards"] == 2
+  C.dump_config(cfg, tmp_path / "config.yaml")
+  assert C.check_resume(C.from_dict(raw), tmp_path) == {}
+  raw["mesh"]["fsdp"] = 4
+  with pytest.raises(C.ConfigError, match=r"optimizer\.extra\.block_shards \(2 -> 4\)"):
+    C.check_resume(C.from_dict(raw), tmp_path)
