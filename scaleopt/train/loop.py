@@ -188,6 +188,57 @@ def _put(sharding, local: np.ndarray, global_shape: tuple) -> jax.Array:
   return jax.make_array_from_process_local_data(sharding, local, global_shape)
 
 
+class _Prefetch:
+  """Training batches on the devices, made ``depth`` steps ahead by a background thread
+  (``it.next()`` and the host-to-device put), at most ``count`` of them.
+
+  A train step whose program holds a ``lax.cond`` or ``while_loop`` (Shampoo's root and
+  statistics branches, Sophia's refresh, the collectors' refresh steps) makes the GPU runtime
+  read the predicate on the host, so dispatching it returns only once the previous step has
+  run; the next batch's host work then no longer hides behind the step unless it runs
+  beside it. ``state()`` is the iterator position after the batches handed out so far (what
+  a checkpoint records); an error of the iterator is raised by the ``next()`` that reaches
+  it."""
+
+  def __init__(self, it: data.Batches, put, count: int, depth: int = 2):
+    import queue
+    self._state = it.state()
+    self._q: Any = queue.Queue(maxsize=depth)
+    self._stop = threading.Event()
+
+    def fill():
+      for _ in range(count):
+        try:
+          item = (put(it.next()), it.state(), None)
+        except Exception as e:  # noqa: BLE001 -- handed to the consumer, in order
+          item = (None, None, e)
+        while not self._stop.is_set():
+          try:
+            self._q.put(item, timeout=0.1)
+            break
+          except queue.Full:
+            continue
+        if item[2] is not None or self._stop.is_set():
+          return
+
+    self._thread = threading.Thread(target=fill, name="scaleopt-batches", daemon=True)
+    self._thread.start()
+
+  def next(self) -> dict:
+    batch, state, err = self._q.get()
+    if err is not None:
+      raise err
+    self._state = state
+    return batch
+
+  def state(self) -> dict:
+    return self._state
+
+  def close(self) -> None:
+    self._stop.set()
+    self._thread.join(timeout=10)
+
+
 @dataclasses.dataclass
 class Compiled:
   """The jitted functions and the shardings they were compiled for."""
@@ -381,7 +432,7 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
     consec, norm = jax.device_get(health(st))
     if only_if_sound and ckpt.exploded(float(norm)):
       return False
-    ckpt.save(step, st, with_state_format(cfg, it.state()), consec=int(consec),
+    ckpt.save(step, st, with_state_format(cfg, feed.state()), consec=int(consec),
               param_norm=float(norm))
     return True
 
@@ -390,9 +441,14 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
                            config=cfg.to_dict())
   prof = metrics.Profile(out / "profile", r.profile)
   meter = _Meter(s.spec.num_groups * d.batch_size * d.seq_len)
+  shape = (d.microbatches * s.spec.num_groups, d.batch_size // d.microbatches, d.seq_len + 1)
+  feed = _Prefetch(it, lambda b: {k: _put(fns.batch_sh, v, shape) for k, v in b.items()},
+                   max(0, r.steps - step0))
   try:
-    res = _run(cfg, s, fns, state, it, step0, log, meter, prof, save, evaluate, is_main, sig)
+    res = _run(cfg, s, fns, state, feed, step0, log, meter, prof, save, evaluate, is_main,
+               sig)
   finally:
+    feed.close()
     log.close()
     ckpt.close()
   summary = _summary(cfg, s, res, meter, start)
@@ -516,12 +572,11 @@ def _summary(cfg: TrainConfig, s: Setup, res: _Outcome, meter: _Meter, start) ->
   }
 
 
-def _run(cfg, s, fns, state, it, step0, log, meter, prof, save, evaluate, is_main,
+def _run(cfg, s, fns, state, feed, step0, log, meter, prof, save, evaluate, is_main,
          sig) -> _Outcome:
-  """The host loop from ``step0`` to ``run.steps`` (or a stop); checkpoints via ``save``."""
-  r, d = cfg.run, cfg.data
-  batch_shape = (d.microbatches * s.spec.num_groups, d.batch_size // d.microbatches,
-                 d.seq_len + 1)
+  """The host loop from ``step0`` to ``run.steps`` (or a stop) over ``feed``'s device
+  batches; checkpoints via ``save``."""
+  r = cfg.run
   flops_per_token, peak_all = _flops(cfg, s)
   bar = None
   if r.progress and is_main:
@@ -530,9 +585,11 @@ def _run(cfg, s, fns, state, it, step0, log, meter, prof, save, evaluate, is_mai
                mininterval=0.5)
   res = _Outcome(done=step0)
   pending: list[dict] = []  # device metrics of the steps since the last log
-  prev_consec = None  # previous step's consecutive-skip counter (read one step behind)
+  # the consecutive-skip counters of the last two steps, each read two steps after its step
+  # (reading the newest would wait for the step just launched: two steps stay in flight)
+  behind: list = []
   for t in range(step0, r.steps):
-    batch = {k: _put(fns.batch_sh, v, batch_shape) for k, v in it.next().items()}
+    batch = feed.next()
     prof.before(t)
     state, m = fns.train_step(state, batch)
     res.done = done = t + 1
@@ -541,9 +598,9 @@ def _run(cfg, s, fns, state, it, step0, log, meter, prof, save, evaluate, is_mai
       jax.block_until_ready(m["loss"])
       meter.first_step_done(done)
     pending.append(m)
-    if prev_consec is not None and int(prev_consec) >= r.max_consecutive_skips:
+    if len(behind) == 2 and int(behind.pop(0)) >= r.max_consecutive_skips:
       res.stopped = done
-    prev_consec = m["consec"]
+    behind.append(m["consec"])
     res.interrupted = sig.stop(done)
     halt = res.stopped is not None or res.interrupted is not None
     is_eval = (r.eval_every and done % r.eval_every == 0) or done == r.steps
