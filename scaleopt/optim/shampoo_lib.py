@@ -103,11 +103,14 @@ MAJORS = tuple(_BLOCK_PERM)
 def _cut(d: int, block_size: int, shards: int = 1) -> tuple[int, int]:
   """(nb, bs) of one dim of size d: nb = ceil(d / block_size) blocks of ceil(d / nb), the last
   padded; with ``shards`` > 1 dividing d, each of the ``shards`` equal parts of d is cut into
-  the fewest equal blocks of at most ``block_size`` (no padding: no block spans two parts)."""
+  the fewest equal blocks of at most ``block_size`` (no padding: no block spans two parts),
+  unless those blocks would be less than half of min(part, ``block_size``) (a part of 2 x a
+  large prime: blocks of 2): then the dim is cut as without shards."""
   if shards > 1 and d % shards == 0:
     c = d // shards
     per = next(k for k in range(max(1, math.ceil(c / block_size)), c + 1) if c % k == 0)
-    return shards * per, c // per
+    if 2 * (c // per) >= min(c, block_size):
+      return shards * per, c // per
   nb = max(1, math.ceil(d / block_size))
   return nb, math.ceil(d / nb)
 
@@ -910,9 +913,9 @@ def scale_by_shampoo(
       blocking it, each shard into the fewest equal blocks of at most ``block_size``
       (``blocking``). With the mesh's FSDP size every block lies in the rows (columns) one
       device holds, also where a shard is smaller than a block (gpt2-small's d = 768 on 4
-      devices: blocks of 192 instead of 384), so blocking moves no data on any FSDP size; the
-      blocks, and so the preconditioner, then depend on that size (1, the default: they do
-      not). Only a tensor with a ``block_major`` dim is cut so (None: none is); a dim the
+      devices: blocks of 192 instead of 384), so blocking moves no data wherever the factors
+      are split over the ``fsdp`` axis (``block_axes``); the blocks, and so the
+      preconditioner, then depend on that size (1, the default: they do not). Only a tensor with a ``block_major`` dim is cut so (None: none is); a dim the
       shards do not divide is blocked as usual.
     mode: ``std|cf|inv|full``; crossfit: ``ab`` or ``rolling_b``.
     correction_scale: multiplies the (5/32) lam^{-9/4} Var term.

@@ -1,8 +1,9 @@
 """The training loop: set up, train, evaluate, checkpoint, log; resume exactly.
 
-``train(cfg, out_dir, resume)`` returns the summary dict. The host loop only dispatches: it
-reads the device once per step for the previous step's consecutive-skip counter (one step
-behind, so the device is never idle) and fetches metrics every ``log_every`` steps.
+``train(cfg, out_dir, resume)`` returns the summary dict. The host loop only dispatches: a
+background thread makes the device batches ahead (``_Prefetch``), each step's
+consecutive-skip counter is read two steps later (two steps stay in flight), and metrics are
+fetched every ``log_every`` steps.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import queue
 import signal
 import sys
 import tempfile
@@ -189,8 +191,8 @@ def _put(sharding, local: np.ndarray, global_shape: tuple) -> jax.Array:
 
 
 class _Prefetch:
-  """Training batches on the devices, made ``depth`` steps ahead by a background thread
-  (``it.next()`` and the host-to-device put), at most ``count`` of them.
+  """Training batches on the devices, made ahead by a background thread (``it.next()`` and
+  the host-to-device put; ``depth`` queued and one in hand), at most ``count`` of them.
 
   A train step whose program holds a ``lax.cond`` or ``while_loop`` (Shampoo's root and
   statistics branches, Sophia's refresh, the collectors' refresh steps) makes the GPU runtime
@@ -201,7 +203,6 @@ class _Prefetch:
   it."""
 
   def __init__(self, it: data.Batches, put, count: int, depth: int = 2):
-    import queue
     self._state = it.state()
     self._q: Any = queue.Queue(maxsize=depth)
     self._stop = threading.Event()
@@ -210,7 +211,7 @@ class _Prefetch:
       for _ in range(count):
         try:
           item = (put(it.next()), it.state(), None)
-        except Exception as e:  # noqa: BLE001 -- handed to the consumer, in order
+        except BaseException as e:  # noqa: BLE001 -- handed to the consumer, in order
           item = (None, None, e)
         while not self._stop.is_set():
           try:
@@ -225,7 +226,14 @@ class _Prefetch:
     self._thread.start()
 
   def next(self) -> dict:
-    batch, state, err = self._q.get()
+    while True:
+      try:
+        batch, state, err = self._q.get(timeout=1.0)
+        break
+      except queue.Empty:
+        if not self._thread.is_alive() and self._q.empty():
+          raise RuntimeError("the batch thread ended without a batch (more batches asked "
+                             "for than it was made for)") from None
     if err is not None:
       raise err
     self._state = state

@@ -172,14 +172,15 @@ def test_std_update_rule_matches_float64_numpy(block, graft):
     (896, 4, 512, (4, 224)),   # qwen2.5-0.5b's d
     (4864, 4, 512, (16, 304)),  # 1216 rows per shard: 4 blocks of 304 (3 of 406 would pad)
     (12, 2, 4, (4, 3)),
-    (10, 4, 4, (3, 4))])       # 4 does not divide 10: the plain cut (3 blocks of 4, padded)
+    (10, 4, 4, (3, 4)),        # 4 does not divide 10: the plain cut (3 blocks of 4, padded)
+    (2084, 2, 512, (5, 417))])  # 1042 = 2 x 521 per shard: blocks of 2; the plain cut instead
 def test_block_shards_keep_every_block_in_one_shard(d, shards, block, want):
   """With ``shards`` the major dim's blocks tile each shard (no padding, no block across two
   shards) and the block axis split into ``shards`` equal chunks gives chunk r only rows of
   shard r; the other dim is cut as without shards."""
   blk = S.blocking((2, d, 10), block, -2, shards)
   assert blk[:2] == want and blk[2:4] == S.blocking((2, d, 10), block)[2:4], blk
-  if d % shards:
+  if blk[0] % shards or (d // shards) % blk[1]:  # the plain cut: nothing per shard to check
     return
   rows = jnp.broadcast_to(jnp.arange(1, d + 1, dtype=jnp.float32)[:, None], (2, d, 10))
   chunks = np.asarray(S.to_blocks(rows, blk)).reshape(shards, -1)  # row index + 1, 0: padding
@@ -342,6 +343,31 @@ def test_two_pass_corrected_roots_match_float64_numpy():
   assert var_l.max() > 0 and var_r.max() > 0
   mom = (1 - b1) * ga
   np.testing.assert_allclose(np.asarray(u["w"]), pl @ mom @ pr, rtol=3e-3, atol=3e-4)
+
+
+def test_collector_cuts_group_b_statistics_per_shard():
+  """shampoo_bc (cf, A/B) with ``block_shards`` = 2 on rows: the collector's factor statistics
+  of group B are cut as the transform's factors (12 rows: 2 shards of 2 blocks of 3, not 3
+  blocks of 4), each block's L the mean of G_j G_j^T over B's microbatches (numpy, blocks cut
+  by hand)."""
+  rng = np.random.default_rng(7)
+  m, d1, d2 = 6, 12, 5
+  gs = rng.normal(size=(m, d1, d2))
+  params = {"w": jnp.zeros((d1, d2), jnp.float32)}
+  loss_fn = lambda p, mb: (jnp.sum(p["w"] * mb), {})
+  tx = S.scale_by_shampoo(block_size=4, root_every=1, mode="cf", root_method="eigh",
+                          block_major=lambda p: {"w": -2}, block_shards=2)
+  st = tx.init(params)
+  assert st.factors["0"].L.shape == (4 * 2, 3, 3)  # 4 row blocks of 3 x 2 column blocks
+  stats = so.collect(loss_fn, params, jnp.asarray(gs, jnp.float32), st)
+  got = np.asarray(stats.precond.stat_L["0"])
+  gb = gs[m // 2:]
+  cut = lambda g, i, j: g[3 * i:3 * i + 3, 3 * j:3 * j + 3]  # column block 2: 2 columns + pad
+  want = np.stack([np.mean([cut(g, i, j) @ cut(g, i, j).T for g in gb], axis=0)
+                   for i in range(4) for j in range(2)])
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  u, _ = tx.update(stats.numerator, st, params, bc_stats=stats)
+  assert np.all(np.isfinite(np.asarray(u["w"])))
 
 
 def test_corrected_roots_cut_plugin_bias_5x_fixed_basis():

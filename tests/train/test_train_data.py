@@ -143,3 +143,43 @@ def test_prepare_main_reports_bad_input(tmp_path, capsys):
   (tmp_path / "a.txt").write_text("hello\nworld\n")
   assert D.prepare_main(str(tmp_path / "a.txt"), str(tmp_path / "out"), "wordpiece") == 2
   assert "bytes, bpe:VOCAB_SIZE" in capsys.readouterr().err
+
+
+class _Rows:
+  """An iterator of numbered batches that fails at batch ``fail_at``."""
+
+  def __init__(self, fail_at=None):
+    self.chunk, self.fail_at = 0, fail_at
+
+  def next(self):
+    if self.chunk == self.fail_at:
+      raise D.DataError(f"bad shard at chunk {self.chunk}")
+    self.chunk += 1
+    return {"tokens": np.full((1, 2, 3), self.chunk - 1)}
+
+  def state(self):
+    return {"chunk": self.chunk}
+
+
+def test_batches_made_ahead_keep_order_position_and_errors():
+  """The trainer's background batches: handed out in order, ``state()`` the position after the
+  batches handed out (not after those made ahead), an iterator error raised by the ``next()``
+  that reaches it, never earlier; ``close()`` returns while the thread waits on a full queue."""
+  from scaleopt.train.loop import _Prefetch
+  rows = _Rows(fail_at=3)
+  feed = _Prefetch(rows, lambda b: b, count=10)
+  assert feed.state() == {"chunk": 0}
+  for k in range(3):
+    assert int(feed.next()["tokens"][0, 0, 0]) == k
+    assert feed.state() == {"chunk": k + 1}
+  with pytest.raises(D.DataError, match="chunk 3"):
+    feed.next()
+  feed.close()
+  full = _Prefetch(_Rows(), lambda b: b, count=100, depth=1)
+  assert int(full.next()["tokens"][0, 0, 0]) == 0
+  full.close()
+  assert not full._thread.is_alive()
+  done = _Prefetch(_Rows(), lambda b: b, count=1)
+  done.next()
+  with pytest.raises(RuntimeError, match="more batches asked"):
+    done.next()
