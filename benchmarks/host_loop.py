@@ -16,38 +16,40 @@ the batch put (``_hostms``):
 A ``_hostms`` close to the step time means the dispatch itself waited for the device: a step
 holding ``lax.cond`` / ``while_loop`` on GPU.
 """
+import pathlib
+import sys
 import time
 
 import jax
-import numpy as np
 
-from scaleopt.train import config as C, data as D, loop
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import mesh_throughput as mt  # noqa: E402
+from scaleopt.train import data as D, loop  # noqa: E402
 
-
-def raw(opt):
-  return {"run": {"steps": 100, "log_every": 10, "eval_every": 0, "eval_batches": 0,
-                  "checkpoint_every": 0, "progress": False, "plot": False, "tensorboard": False},
-          "model": {"preset": "gpt2-small", "dtype": "bfloat16", "scan_unroll": 0},
-          "data": {"source": "embedded", "seq_len": 1024, "batch_size": 64, "microbatches": 1},
-          "optimizer": opt, "mesh": {"data": 1, "fsdp": 4}}
+MODES = ("fixed_async", "fresh_async", "fixed_sync1", "fresh_sync1", "fresh_sync1_host")
+DEFAULTS = dict(preset="gpt2-small", batch=64, seq=1024, micro=1, unroll=0, steps=100,
+                dtype="bfloat16", platform="gpu")
 
 
-def probe(opt, n=20):
-  s = loop.setup(C.from_dict(raw(opt))); fns = loop.compile_fns(s)
-  it = D.Batches(s.train_w, 64, 1, groups=1, seed=0)
-  shape = (1, 64, 1025)
-  fixed = {k: loop._put(fns.batch_sh, v, shape) for k, v in it.next().items()}
+def probe(name: str, n: int = 20) -> None:
+  """Times ``n`` steps of configuration ``name`` (``mesh_throughput.py``'s syntax) per mode."""
+  s = loop.setup(mt.train_config(mt.parse(name, DEFAULTS)))
+  fns = loop.compile_fns(s)
+  d = s.cfg.data
+  it = D.Batches(s.train_w, d.batch_size, d.microbatches, groups=s.spec.num_groups, seed=0)
+  shape = (d.microbatches * s.spec.num_groups, d.batch_size // d.microbatches, d.seq_len + 1)
+  put = lambda b: {k: loop._put(fns.batch_sh, v, shape) for k, v in b.items()}
+  fixed = put(it.next())
   st = fns.init()
   for _ in range(3):
     st, m = fns.train_step(st, fixed)
   jax.block_until_ready(m["loss"])
   out = {}
-  for mode in ("fixed_async", "fresh_async", "fixed_sync1", "fresh_sync1", "fresh_sync1_host"):
-    t0 = time.perf_counter(); prev = None; host = 0.0
+  for mode in MODES:
+    t0, prev, host = time.perf_counter(), None, 0.0
     for _ in range(n):
       h0 = time.perf_counter()
-      b = {k: loop._put(fns.batch_sh, v, shape) for k, v in it.next().items()} if "fresh" in mode else fixed
-      st, m = fns.train_step(st, b)
+      st, m = fns.train_step(st, put(it.next()) if "fresh" in mode else fixed)
       host += time.perf_counter() - h0
       if "sync1" in mode and prev is not None:
         int(prev)
@@ -55,10 +57,10 @@ def probe(opt, n=20):
     jax.block_until_ready(m["loss"])
     out[mode] = 1e3 * (time.perf_counter() - t0) / n
     out[mode + "_hostms"] = 1e3 * host / n
-  print(opt["name"], opt.get("extra"), {k: round(v, 2) for k, v in out.items()}, flush=True)
+  print(name, {k: round(v, 2) for k, v in out.items()}, flush=True)
 
 
 if __name__ == "__main__":
-  probe({"name": "adamw", "learning_rate": 6e-4})
-  probe({"name": "shampoo", "learning_rate": 6e-4, "extra": {"block_shards": "fsdp", "root_every": 1000}})
-  probe({"name": "adamw", "learning_rate": 6e-4})
+  A = "fsdp4+b64+m1"
+  for name in (A, A + "+optshampoo+eblock_shards=fsdp+eroot_every=1000", A):
+    probe(name)

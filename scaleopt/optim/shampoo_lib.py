@@ -915,8 +915,9 @@ def scale_by_shampoo(
       device holds, also where a shard is smaller than a block (gpt2-small's d = 768 on 4
       devices: blocks of 192 instead of 384), so blocking moves no data wherever the factors
       are split over the ``fsdp`` axis (``block_axes``); the blocks, and so the
-      preconditioner, then depend on that size (1, the default: they do not). Only a tensor with a ``block_major`` dim is cut so (None: none is); a dim the
-      shards do not divide is blocked as usual.
+      preconditioner, then depend on that size (1, the default: they do not). Only a tensor
+      with a ``block_major`` dim is cut so (None: none is); a dim the shards do not divide is
+      blocked as usual.
     mode: ``std|cf|inv|full``; crossfit: ``ab`` or ``rolling_b``.
     correction_scale: multiplies the (5/32) lam^{-9/4} Var term.
     mu_dtype: dtype of the stored momentum M (None: float32; as ``optax.adamw``'s
