@@ -54,6 +54,11 @@
 #       process; the first pass also without root steps); between the first pass and the others, bias
 #       correction with its microbatches on the fsdp axis (adamw_bc LOO, sophia_bc) and on
 #       data4 + ZeRO-1, against AdamW fsdp4)
+#   SUITE_PLAN=phases bash benchmarks/gpu_scaling_suite.sh OUT_DIR  (2 GPUs, under 9.5 minutes:
+#       AdamW and Shampoo (defaults) with the host picking the step's branches (the default on
+#       GPUs) and with device branches (host_phases: off): one pass on 1 GPU, then up to five
+#       passes on fsdp2 in alternating row order (each one process); after the first,
+#       sophia_bc on fsdp2 with and without host-picked branches)
 #   SCALEOPT_SUITE_DRY=1 [SUITE_PLAN=rerun] bash benchmarks/gpu_scaling_suite.sh OUT_DIR
 #       (CPU plumbing check: every configuration tiny, on simulated devices)
 #
@@ -73,8 +78,8 @@ case "$PLAN" in
   full) BUDGET=${SUITE_BUDGET:-470}; DEADLINE=${SUITE_DEADLINE:-525} ;;
   rerun) BUDGET=${SUITE_BUDGET:-180}; DEADLINE=${SUITE_DEADLINE:-205} ;;
   open|roots|two|blocks) BUDGET=${SUITE_BUDGET:-470}; DEADLINE=${SUITE_DEADLINE:-525} ;;
-  shards) BUDGET=${SUITE_BUDGET:-520}; DEADLINE=${SUITE_DEADLINE:-565} ;;
-  *) echo "SUITE_PLAN=$PLAN: expected full, rerun, open, roots, two, blocks or shards" >&2
+  shards|phases) BUDGET=${SUITE_BUDGET:-520}; DEADLINE=${SUITE_DEADLINE:-565} ;;
+  *) echo "SUITE_PLAN=$PLAN: expected full, rerun, open, roots, two, blocks, shards or phases" >&2
      exit 2 ;;
 esac
 DRY=${SCALEOPT_SUITE_DRY:-0}
@@ -230,6 +235,19 @@ data4+b64+m4+optadamw_bc+$V+zero" --same-process
   for pass in 2 3 4 5; do  # as many as the budget allows
     if [ $((pass % 2)) = 0 ]; then C="$H,$S,$A"; else C="$A,$S,$H"; fi
     mt "shards_$pass" 70 "$C" --same-process --steps "$LONG"
+  done
+elif [ "$PLAN" = phases ]; then
+  OFF=rhost_phases=off
+  mt phases_1gpu 100 "data1+b64+m1,data1+b64+m1+optshampoo,data1+b64+m1+optshampoo+$OFF" \
+    --same-process --steps "$LONG"
+  A=fsdp2+b64+m1; S=$A+optshampoo
+  mt phases_2gpu_1 100 "$A,$S,$S+$OFF" --same-process --steps "$LONG"
+  V=evmap_microbatches=true
+  B=fsdp2+b32+m4+optsophia_bc+$V
+  mt sophia_2gpu 90 "$A,$B,$B+$OFF" --same-process --steps "$LONG"
+  for pass in 2 3 4 5; do  # as many as the budget allows
+    if [ $((pass % 2)) = 0 ]; then C="$S+$OFF,$S,$A"; else C="$A,$S,$S+$OFF"; fi
+    mt "phases_2gpu_$pass" 70 "$C" --same-process --steps "$LONG"
   done
 else
   Q=pqwen2.5-0.5b

@@ -13,7 +13,8 @@ loss in K sequence slices), ``optNAME`` (optimizer, default adamw), ``uK`` (scan
 ``seqT`` (sequence length), ``remat`` / ``dots`` (full / dots rematerialization), ``xNAME``
 (an extra XLA flag from ``XLA_OPTIONS``), ``eKEY=VALUE`` (an ``optimizer.extra`` entry, e.g.
 ``+optadamw_bc+ecrossfit=loo``, ``+optshampoo+eroot_every=10``, ``+emu_dtype=bfloat16``),
-``mKEY=VALUE`` (a ``model`` entry, e.g. ``+mattention_impl=xla``),
+``mKEY=VALUE`` (a ``model`` entry, e.g. ``+mattention_impl=xla``), ``rKEY=VALUE`` (a ``run``
+entry, e.g. ``+rhost_phases=off``: one program with device branches),
 ``fitG`` (the largest batch whose compiled step fits G GiB per device, see below), ``zero``
 (``mesh.shard_optimizer``: the optimizer state split over the data axis, ZeRO-1).
 
@@ -112,6 +113,9 @@ def parse(name: str, defaults: dict) -> dict:
     elif re.fullmatch(r"m[a-z][a-z_0-9]*=.+", o):
       k, v = o[1:].split("=", 1)
       c["model"] = dict(c.get("model", {}), **{k: _value(v)})
+    elif re.fullmatch(r"r[a-z][a-z_0-9]*=.+", o):
+      k, v = o[1:].split("=", 1)
+      c["run"] = dict(c.get("run", {}), **{k: _value(v)})
     elif re.fullmatch(r"e[A-Za-z_0-9]+=.+", o):
       k, v = o[1:].split("=", 1)
       c["extra"] = dict(c.get("extra", {}), **{k: _value(v)})
@@ -154,7 +158,7 @@ def train_config(c: dict, batch: int | None = None):
   raw = {
       "run": {"steps": c["steps"], "log_every": 10, "eval_every": 0, "eval_batches": 0,
               "checkpoint_every": 0, "async_checkpoint": False, "progress": False,
-              "plot": False, "tensorboard": False, "seed": 0},
+              "plot": False, "tensorboard": False, "seed": 0, **c.get("run", {})},
       "model": {"preset": c["preset"], "dtype": c["dtype"], "max_seq_len": c["seq"],
                 "scan_unroll": c["unroll"], "fused_loss": c["fused"],
                 "loss_chunks": c.get("chunks", 1), "remat": c.get("remat", "none"),

@@ -64,6 +64,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from scaleopt.optim import phases
+
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], tuple[jax.Array, PyTree]]
 GradFn = Callable[[PyTree, PyTree], tuple[jax.Array, PyTree, PyTree]]
@@ -800,7 +802,7 @@ def refresh_groups(grad_fn: GradFn, params: PyTree, microbatches: PyTree, layout
   """Numerator group statistics and the preconditioner group for periodic refreshes.
 
   ``ab``: on refresh steps the numerator uses group A only (cross-fit), on the other steps
-  all microbatches (``lax.cond``); ``rolling_b``: A is ``microbatches``, B
+  all microbatches (``phases.cond``); ``rolling_b``: A is ``microbatches``, B
   ``b_microbatches``; ``all``: both use every microbatch. ``vmap``: see ``fold_microbatches``.
 
   Returns:
@@ -812,7 +814,7 @@ def refresh_groups(grad_fn: GradFn, params: PyTree, microbatches: PyTree, layout
 
   if layout == "ab":
     mbs_a, mbs_b = halves(microbatches, "layout 'ab'")
-    num = jax.lax.cond(refresh, lambda: num_of(mbs_a), lambda: num_of(microbatches))
+    num = phases.cond(refresh, lambda: num_of(mbs_a), lambda: num_of(microbatches))
     return num, mbs_b
   num = num_of(microbatches)
   if layout == "rolling_b":

@@ -10,7 +10,7 @@ equal blocks, padded with zeros when needed, so every block of a tensor has one 
     M <- b1 M + (1 - b1) g;   U_b = P_L M_b P_R;   theta <- theta (1 - lr wd) - lr U
 
 All blocks of one factor size, across all tensors, are stacked and their roots computed in one
-batched call inside ``lax.cond`` on root steps: by ``jnp.linalg.eigh`` in float32
+batched call on root steps (``phases.cond``): by ``jnp.linalg.eigh`` in float32
 (``root_method="eigh"``) or by coupled Newton iterations (``"newton"``: batched matmuls at
 ``newton_precision``). The default ``"auto"`` takes Newton at precision ``"high"`` (TF32 on
 NVIDIA GPUs, three bf16 passes on TPU) on accelerators, where it computes a root step about 3x
@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from scaleopt.optim import delta
+from scaleopt.optim import delta, phases
 from scaleopt.optim.adam_bc import check_choice
 from scaleopt.optim.collect import (BCStats, CollectorSpec, Static, clip_factor, refresh_groups,
                                     register_bc_state, register_estimator, value_and_grad_fn,
@@ -569,7 +569,7 @@ def _factor_pass(grad_fn, params, mbs_b, st, keys, blk, hp, num, clip_of, two_pa
 def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: CollectorSpec, found,
                     *, key=None, logits_fn=None, b_microbatches: PyTree = None,
                     max_norm=None) -> BCStats:
-  """Numerator gradient plus, on root steps (count % root_every == 0, inside ``lax.cond``),
+  """Numerator gradient plus, on root steps (count % root_every == 0, ``phases.cond``),
   the B-side factor statistics and (``inv``/``full``) the two-pass eigenvalue variances.
 
   On root steps of the ``ab`` layout ``full`` and ``loss`` cover A and B (pass 1 over B
@@ -579,7 +579,7 @@ def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collect
   del key, logits_fn
   f = next(f for f in found if isinstance(f.state, ScaleByShampooState))
   st, hp, opts = f.state, f.hp, dict(spec.estimator_options)
-  root = (st.count % spec.refresh_every) == 0
+  root = phases.due(st.count, spec.refresh_every)
   grad_fn = value_and_grad_fn(loss_fn)
   (num, loss, aux), mbs_b = refresh_groups(grad_fn, params, microbatches, spec.layout, root,
                                            b_microbatches, vmap=spec.vmap)
@@ -603,7 +603,7 @@ def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collect
                              opts["two_pass"], opts["stats_precision"],
                              opts["eigh_implementation"])
   skip = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run))
-  pre, (g_b, loss_b, aux_b) = jax.lax.cond(root, run, skip)
+  pre, (g_b, loss_b, aux_b) = phases.cond(root, run, skip)
   pre = pre._replace(root=root)
   use_b = root & both
   full = jax.tree.map(lambda p, q: jnp.where(use_b, p, q), full_of(g_b), num)
@@ -715,25 +715,25 @@ def _update_factors(f, g_l, blk, keys, count, pre, step_ok, *, mode, stats_every
       old = load(f)
       new = roots(_ema_factors(old, keys, pre.stat_L, pre.stat_R, b2))
       return store(new, old, f, step_ok)
-    return jax.lax.cond(pre.root, refresh, lambda f: f, f)
-  is_root = count % root_every == 0
+    return phases.cond(pre.root, refresh, lambda f: f, f)
+  is_root = phases.due(count, root_every)
 
   def statistics(f):
     gram = {k: _gram(_on_owner(to_blocks(g_l[int(k)], blk[k])), stats_precision) for k in keys}
     old = load(f)
     new = _ema_factors(old, keys, {k: v[0] for k, v in gram.items()},
                        {k: v[1] for k, v in gram.items()}, b2)
-    return store(jax.lax.cond(is_root, roots, lambda d: d, new), old, f, step_ok)
+    return store(phases.cond(is_root, roots, lambda d: d, new), old, f, step_ok)
 
   def roots_only(f):  # L, R read, not changed: they stay where they are kept
     def run(f):
       new = roots(load(f))
       return {k: new[k]._replace(L=f[k].L, R=f[k].R) for k in keys}
-    return jax.lax.cond(is_root, run, lambda f: f, f)
+    return phases.cond(is_root, run, lambda f: f, f)
 
   if stats_every == 1:
     return statistics(f)
-  return jax.lax.cond(count % stats_every == 0, statistics, roots_only, f)
+  return phases.cond(phases.due(count, stats_every), statistics, roots_only, f)
 
 
 def _step_ok(bc_stats: Optional[BCStats]) -> jax.Array:

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaleopt.optim import delta, gnb
+from scaleopt.optim import delta, gnb, phases
 from scaleopt.optim.adam_bc import check_choice, keep_finite, tmap, unzip
 from scaleopt.optim.collect import (BCStats, CollectorSpec, Static, align, clip_factor,
                                     fold_microbatches, refresh_groups, register_bc_state,
@@ -173,7 +173,7 @@ def sophia_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collecto
   microbatch; ``ab``: group A on refresh steps and all 2m microbatches otherwise;
   ``rolling_b``: ``microbatches``). On refresh steps (count % k == 0, read from the state)
   the estimator runs over the curvature group (``all``: every microbatch; ``ab``: B;
-  ``rolling_b``: ``b_microbatches``) inside ``lax.cond``. ``loss``/``full`` cover the numerator
+  ``rolling_b``: ``b_microbatches``) under ``phases.cond``. ``loss``/``full`` cover the numerator
   group. A consistent clip scales the numerator by c = min(1, max_norm / ||g_num||); the
   curvature is not a gradient statistic and is not scaled.
   """
@@ -183,7 +183,7 @@ def sophia_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collecto
   if key is None:
     raise ValueError("Sophia's estimator needs a PRNG key (collect(..., key=...))")
   states = [f.state for f in found if isinstance(f.state, ScaleBySophiaState)]
-  refresh = (states[0].count % spec.refresh_every) == 0
+  refresh = phases.due(states[0].count, spec.refresh_every)
   (num, loss, aux), mbs_c = refresh_groups(value_and_grad_fn(loss_fn), params, microbatches,
                                            spec.layout, refresh, b_microbatches,
                                            vmap=spec.vmap)
@@ -200,7 +200,7 @@ def sophia_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collecto
   def skip():
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run))
 
-  h, var = jax.lax.cond(refresh, run, skip)
+  h, var = phases.cond(refresh, run, skip)
   c = clip_factor(num, max_norm) if max_norm is not None else jnp.float32(1.0)
   num = jax.tree.map(lambda x: c * x, num)
   return BCStats(num, num, None, None, None, loss, aux, c,
@@ -307,8 +307,8 @@ def scale_by_sophia(
                                              correction_scale), h, hs_, var_)
       return tuple(tmap(lambda x: x.astype(state_dtype), t) for t in unzip(out, h, 2))
 
-    h_new, inv_new = jax.lax.cond(cur.refresh, refreshed, lambda h, s_, v_: (h, state.inv),
-                                  state.h, hs, var)
+    h_new, inv_new = phases.cond(cur.refresh, refreshed, lambda h, s_, v_: (h, state.inv),
+                                 state.h, hs, var)
     bc1 = 1.0 - b1 ** count_inc.astype(jnp.float32)
     mu = tmap(lambda m, g: b1 * m + (1 - b1) * g.astype(m_dt), state.mu, updates)
     inv_use = inv_new if hessian_first else state.inv

@@ -54,6 +54,9 @@ class RunConfig:
   wandb: Optional[dict] = None  # {project, entity, name, group, tags, notes, mode}: W&B on
   profile: Optional[dict] = None  # {start_step, steps}: jax.profiler trace in RUN_DIR/profile
   telemetry_every: int = spec(0, min=0)  # per-group norms + BC statistics (0: off)
+  # every-N work (Shampoo roots, Sophia refresh, telemetry): one compiled program per outcome,
+  # picked by the host ("on"), or device branches in one program ("off"); auto: on on GPUs
+  host_phases: Literal["auto", "on", "off"] = "auto"
 
 
 @dataclasses.dataclass
@@ -226,7 +229,7 @@ def dump_config(cfg: TrainConfig, path: str | pathlib.Path) -> None:
 RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_batches",
              "run.checkpoint_every", "run.keep_checkpoints", "run.async_checkpoint",
              "run.max_consecutive_skips", "run.progress", "run.tensorboard", "run.plot",
-             "run.peak_flops", "run.wandb", "run.profile", "run.telemetry_every",
+             "run.peak_flops", "run.wandb", "run.profile", "run.telemetry_every", "run.host_phases",
              "optimizer.schedule.total_steps", "model.init_from", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.distributed",
              "mesh.shard_optimizer", "optimizer.extra.block_major",
              "optimizer.extra.offload_statistics")

@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 
 from scaleopt import models
 from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data,
-                            mesh as mesh_lib, metrics, step as step_lib)
+                            mesh as mesh_lib, metrics, phased as phased_lib, step as step_lib)
 from scaleopt.train.config import ConfigError, TrainConfig, dump_config
 
 EXIT_OK, EXIT_SKIPS, EXIT_SIGNAL = 0, 3, 143
@@ -258,6 +258,24 @@ class Compiled:
   state_sh: Any
   batch_sh: Any
   eval_sh: Any
+  phased: Any = None  # phased.PhasedStep when the host picks the step's branches, else None
+
+
+def batch_shape(s: Setup) -> tuple:
+  """[microbatches x groups, sequences per microbatch, seq_len + 1] of a training batch."""
+  d = s.cfg.data
+  return (d.microbatches * s.spec.num_groups, d.batch_size // d.microbatches, d.seq_len + 1)
+
+
+def abstract_batch(s: Setup, sharding=None) -> dict:
+  """The training batch's ShapeDtypeStructs (``b_tokens`` for the ``rolling_b`` layout)."""
+  tokens = jax.ShapeDtypeStruct(batch_shape(s), np.int32, sharding=sharding)
+  return {"tokens": tokens, **({"b_tokens": tokens} if s.spec.layout == "rolling_b" else {})}
+
+
+def host_phases(setting: str) -> bool:
+  """``run.host_phases``: ``auto`` is on where device branches wait for the host (GPUs)."""
+  return setting == "on" or (setting == "auto" and jax.default_backend() == "gpu")
 
 
 def compile_fns(s: Setup) -> Compiled:
@@ -274,18 +292,22 @@ def compile_fns(s: Setup) -> Compiled:
   state_sh = state_sh._replace(opt_state=mesh_lib.in_memory_of(  # offloaded state: host memory
       s.tx.init, (state_shape.params,), state_sh.opt_state))
   batch_sh, eval_sh = mesh_lib.batch_sharding(mesh), mesh_lib.eval_sharding(mesh)
+  step_fn = step_lib.make_train_step(s.model, s.tx, s.spec, s.schedule,
+                                     s.cfg.run.telemetry_every, param_sh=param_sh,
+                                     update_sh=opt_sh if shard_opt else None)
+  step_kw = dict(in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
+                 donate_argnums=0)
+  phased = None
+  if host_phases(s.cfg.run.host_phases):
+    phased = phased_lib.PhasedStep(step_fn, step_kw, state_shape, abstract_batch(s))
   return Compiled(
       init=jax.jit(init_fn, out_shardings=state_sh),
       init_with=jax.jit(lambda p: init_fn()._replace(params=p, opt_state=s.tx.init(p)),
                         in_shardings=(param_sh,), out_shardings=state_sh),
-      train_step=jax.jit(step_lib.make_train_step(s.model, s.tx, s.spec, s.schedule,
-                                                  s.cfg.run.telemetry_every,
-                                                  param_sh=param_sh,
-                                                  update_sh=opt_sh if shard_opt else None),
-                         in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
-                         donate_argnums=0),
+      train_step=jax.jit(step_fn, **step_kw),
       eval_step=jax.jit(step_lib.make_eval_step(s.model), in_shardings=(param_sh, eval_sh)),
-      state_shape=state_shape, state_sh=state_sh, batch_sh=batch_sh, eval_sh=eval_sh)
+      state_shape=state_shape, state_sh=state_sh, batch_sh=batch_sh, eval_sh=eval_sh,
+      phased=phased if phased is not None and phased.schedules else None)
 
 
 class _Meter:
@@ -350,12 +372,7 @@ def dry_run(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False)
   s = setup(cfg)
   fns = compile_fns(s)
   d = cfg.data
-  groups = s.spec.num_groups
-  shape = (d.microbatches * groups, d.batch_size // d.microbatches, d.seq_len + 1)
-  batch = {"tokens": jax.ShapeDtypeStruct(shape, np.int32)}
-  if s.spec.layout == "rolling_b":
-    batch["b_tokens"] = batch["tokens"]
-  jax.eval_shape(fns.train_step, fns.state_shape, batch)
+  jax.eval_shape(fns.train_step, fns.state_shape, abstract_batch(s))
   jax.eval_shape(fns.eval_step, fns.state_shape.params,
                  jax.ShapeDtypeStruct((d.batch_size, d.seq_len + 1), np.int32))
   n_eval, warn = data.fit_eval_batches(s.val_w, d.batch_size, cfg.run.eval_batches)
@@ -402,6 +419,7 @@ class _Outcome:
   last_losses: list = dataclasses.field(default_factory=list)
   last_row: dict = dataclasses.field(default_factory=dict)
   eval_loss: float = float("nan")
+  phase_shifts: Optional[int] = None  # host-picked steps off the optimizer's count
 
 
 def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> dict:
@@ -449,11 +467,12 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
                            config=cfg.to_dict())
   prof = metrics.Profile(out / "profile", r.profile)
   meter = _Meter(s.spec.num_groups * d.batch_size * d.seq_len)
-  shape = (d.microbatches * s.spec.num_groups, d.batch_size // d.microbatches, d.seq_len + 1)
+  shape = batch_shape(s)
   feed = _Prefetch(it, lambda b: {k: _put(fns.batch_sh, v, shape) for k, v in b.items()},
                    max(0, r.steps - step0))
+  step = _stepper(s, fns, state, step0)
   try:
-    res = _run(cfg, s, fns, state, feed, step0, log, meter, prof, save, evaluate, is_main,
+    res = _run(cfg, s, state, step, feed, step0, log, meter, prof, save, evaluate, is_main,
                sig)
   finally:
     feed.close()
@@ -576,14 +595,28 @@ def _summary(cfg: TrainConfig, s: Setup, res: _Outcome, meter: _Meter, start) ->
       "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
       "resumed_from": start,
       "stopped_early": res.stopped is not None or res.interrupted is not None,
-      "interrupted_by": res.interrupted,
+      "interrupted_by": res.interrupted, "phase_shifts": res.phase_shifts,
   }
 
 
-def _run(cfg, s, fns, state, feed, step0, log, meter, prof, save, evaluate, is_main,
+def _stepper(s: Setup, fns: Compiled, state, step0: int):
+  """``step(state, batch) -> (state, metrics)`` with ``step.confirm(skipped)``, called with
+  each step's skip flag in order: the one-program step, or (``fns.phased``) the program the
+  host's counters pick, those of the coming steps compiled now."""
+  if fns.phased is None:
+    return phased_lib.OneProgram(fns.train_step)
+  count0 = step0 - int(jax.device_get(state.skipped))  # the optimizer's applied updates
+  st = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                    fns.state_shape, fns.state_sh)
+  fns.phased.compile(fns.phased.keys_ahead(step0, count0, s.cfg.run.steps), st,
+                     abstract_batch(s, fns.batch_sh))
+  return phased_lib.Dispatcher(fns.phased, step0, count0)
+
+
+def _run(cfg, s, state, step, feed, step0, log, meter, prof, save, evaluate, is_main,
          sig) -> _Outcome:
   """The host loop from ``step0`` to ``run.steps`` (or a stop) over ``feed``'s device
-  batches; checkpoints via ``save``."""
+  batches, each step run by ``step`` (``_stepper``); checkpoints via ``save``."""
   r = cfg.run
   flops_per_token, peak_all = _flops(cfg, s)
   bar = None
@@ -599,15 +632,18 @@ def _run(cfg, s, fns, state, feed, step0, log, meter, prof, save, evaluate, is_m
   for t in range(step0, r.steps):
     batch = feed.next()
     prof.before(t)
-    state, m = fns.train_step(state, batch)
+    state, m = step(state, batch)
     res.done = done = t + 1
     prof.after(done, m["loss"])
     if meter.compile_s is None:
       jax.block_until_ready(m["loss"])
       meter.first_step_done(done)
     pending.append(m)
-    if len(behind) == 2 and int(behind.pop(0)) >= r.max_consecutive_skips:
-      res.stopped = done
+    if len(behind) == 2:
+      consec = int(behind.pop(0))
+      step.confirm(consec > 0)
+      if consec >= r.max_consecutive_skips:
+        res.stopped = done
     behind.append(m["consec"])
     res.interrupted = sig.stop(done)
     halt = res.stopped is not None or res.interrupted is not None
@@ -641,6 +677,8 @@ def _run(cfg, s, fns, state, feed, step0, log, meter, prof, save, evaluate, is_m
       save(state, done)
   if bar is not None:
     bar.close()
+  if isinstance(step, phased_lib.Dispatcher):
+    res.phase_shifts = step.shifts
   prof.close(state.step)
   if res.done == step0:  # nothing left to train (resuming a finished run)
     res.eval_loss = evaluate(state.params)

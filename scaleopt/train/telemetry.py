@@ -25,13 +25,14 @@ and, for the bias-corrected forms (statistics with a variance: ``mode`` inv / fu
                         (``var_of`` grad) or mean of squares (``sq``); for LOO the fold
                         denominators d_r (Var over folds / d^2, d^2 = first / third)
 
-The two extra chain evaluations run only on telemetry steps (under the same ``lax.cond``).
+The two extra chain evaluations run only on telemetry steps (under the same branch).
 
 A group is a parameter-path prefix: one per layer and role for the stacked Transformer blocks
 (``layer3.attn``, ``layer3.mlp``; the blocks' leading axis is unstacked into layers) and the
 top-level name otherwise (``embed``, ``in_scale_final``, ``head``).
 
-The values are computed under ``lax.cond`` on the step counter: other steps skip the work and
+The values are computed in a branch on the step counter (``scaleopt.optim.phases``: a device
+``lax.cond``, or a program per outcome picked by the host): other steps skip the work and
 carry NaN, with ``telemetry = 0``; ``metrics.MetricsLog`` writes the groups only on rows with
 ``telemetry = 1`` (JSONL keys and TensorBoard tags ``<quantity>/<group>``). Nothing leaves the
 device until the loop fetches the logged step's metrics.
@@ -45,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from scaleopt.models.masks import path_names
+from scaleopt.optim import phases
 
 PyTree = Any
 NORMS = ("grad_norm", "update_norm", "param_norm")
@@ -167,7 +169,7 @@ def compute(tx, opt_state, params_before, stats, updates, params_after) -> dict[
 
 
 def maybe_compute(every: int, step: jax.Array, *args) -> dict[str, jax.Array]:
-  """``compute(*args)`` on the steps where ``step + 1`` is a multiple of ``every`` (lax.cond:
+  """``compute(*args)`` on the steps where ``step + 1`` is a multiple of ``every`` (a branch:
   the other steps do no telemetry work) plus ``telemetry`` = 1 there and 0 elsewhere; {} when
   ``every`` is 0."""
   if not every:
@@ -175,7 +177,7 @@ def maybe_compute(every: int, step: jax.Array, *args) -> dict[str, jax.Array]:
   fn = lambda: compute(*args)
   shapes = jax.eval_shape(fn)
   nan = lambda: jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), shapes)
-  on = (step + 1) % every == 0
-  out = jax.lax.cond(on, fn, nan)
-  out[FLAG] = on.astype(jnp.float32)
+  on = phases.due(step, every, counter="step", offset=1)
+  out = phases.cond(on, fn, nan)
+  out[FLAG] = jnp.asarray(on, jnp.float32)
   return out

@@ -1,0 +1,132 @@
+"""One compiled train step per outcome of the step's every-N work, picked by the host.
+
+The optimizer's periodic work (Shampoo's statistics and roots, Sophia's curvature refresh,
+the collectors' refresh steps) and the trainer's telemetry branch on step counters
+(``scaleopt.optim.phases``). Compiled as one program those are device branches, and on a GPU
+the runtime copies each branch predicate to the host before it launches the branch: the host
+cannot dispatch the next step while the current one runs, and the launches after each branch
+wait for it. ``PhasedStep`` compiles one program per combination of outcomes instead (Shampoo
+with roots every 10 steps: a root program and a plain one), and ``Dispatcher`` picks one per
+step from the counters the host keeps (``run.host_phases``, on by default on GPUs):
+
+* ``step``, the trainer's step: exact.
+* ``count``, the optimizer's applied updates: it advances on every step but a skipped
+  (non-finite) one, and the loop learns that a step was skipped two steps later. A skip thus
+  shifts the count predicted for the two steps dispatched meanwhile (their work runs one step
+  early or late), and when the skipped step was one that did the work (its result was
+  discarded with the step), the first step dispatched after the skip is known does it again.
+
+Without skips every step computes what the one-program step computes; ``shifts`` counts the
+steps whose outcomes differed from the optimizer's true count.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import math
+from typing import Any, Callable, Iterable
+
+import jax
+
+from scaleopt.optim import phases
+
+_AHEAD = 4096  # at most this many steps are scanned for the outcomes to compile ahead
+
+
+class PhasedStep:
+  """``step_fn`` compiled once per combination of outcomes of the schedules it asks about
+  (found by tracing it once with device branches)."""
+
+  def __init__(self, step_fn: Callable, jit_kwargs: dict, state_shape: Any, batch_shape: Any):
+    with phases.record() as found:
+      jax.eval_shape(step_fn, state_shape, batch_shape)
+    self.schedules = tuple(sorted(found))
+    self.period = math.lcm(*(s.every for s in self.schedules)) if self.schedules else 1
+    self._fn, self._jit_kwargs = step_fn, jit_kwargs
+    self._jitted, self._compiled = {}, {}
+
+  def key(self, counters: dict) -> tuple:
+    """The outcome of every schedule at these counter values."""
+    return tuple(s.due_at(counters[s.counter]) for s in self.schedules)
+
+  def keys_ahead(self, step: int, count: int, until: int) -> list:
+    """The distinct outcomes of the steps from ``step`` (at optimizer count ``count``) up to
+    ``until`` if none is skipped, over at most one period of the schedules."""
+    n = max(0, min(until - step, self.period, _AHEAD))
+    return list(dict.fromkeys(self.key({"step": step + i, "count": count + i})
+                              for i in range(n)))
+
+  def _program(self, key: tuple):
+    if key not in self._jitted:
+      outcomes = dict(zip(self.schedules, key))
+
+      def fn(state, batch):
+        with phases.static(outcomes):
+          return self._fn(state, batch)
+
+      self._jitted[key] = jax.jit(fn, **self._jit_kwargs)
+    return self._jitted[key]
+
+  def compile(self, keys: Iterable[tuple], state_arg: Any, batch_arg: Any) -> None:
+    """Compiles the programs of ``keys`` now (abstract arguments with shardings): traced one
+    after another, compiled side by side."""
+    todo = [k for k in dict.fromkeys(keys) if k not in self._compiled]
+    if not todo:
+      return
+    lowered = [self._program(k).lower(state_arg, batch_arg) for k in todo]
+    with concurrent.futures.ThreadPoolExecutor(len(todo)) as pool:
+      for k, c in zip(todo, pool.map(lambda lo: lo.compile(), lowered)):
+        self._compiled[k] = c
+
+  def __call__(self, key: tuple, state, batch):
+    fn = self._compiled.get(key)
+    return (self._program(key) if fn is None else fn)(state, batch)
+
+
+class Dispatcher:
+  """Runs each step with the program its predicted counters pick; ``confirm`` each step's
+  skip flag, in order, when the loop reads it."""
+
+  def __init__(self, phased: PhasedStep, step: int, count: int):
+    self.phased, self.step, self.count = phased, step, count
+    self.true_count = count  # of the oldest unconfirmed step
+    self.shifts = 0
+    self._sent: collections.deque = collections.deque()  # (key, step) not yet confirmed
+    self._redo = None
+
+  def __call__(self, state, batch):
+    key = self.phased.key({"step": self.step, "count": self.count})
+    if self._redo is not None:
+      key, self._redo = tuple(a or b for a, b in zip(key, self._redo)), None
+    self._sent.append((key, self.step))
+    self.step += 1
+    self.count += 1
+    return self.phased(key, state, batch)
+
+  def confirm(self, skipped: bool) -> None:
+    """The oldest dispatched step was (not) skipped."""
+    key, step = self._sent.popleft()
+    if key != self.phased.key({"step": step, "count": self.true_count}):
+      self.shifts += 1
+    if not skipped:
+      self.true_count += 1
+      return
+    self.count -= 1
+    redo = tuple(k and s.counter == "count" for k, s in zip(key, self.phased.schedules))
+    if any(redo):
+      self._redo = redo
+
+
+class OneProgram:
+  """The one-program step (device branches) behind ``Dispatcher``'s interface."""
+  shifts = 0
+
+  def __init__(self, step_fn: Callable):
+    self._fn = step_fn
+
+  def __call__(self, state, batch):
+    return self._fn(state, batch)
+
+  def confirm(self, skipped: bool) -> None:
+    del skipped
