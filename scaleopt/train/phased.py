@@ -68,16 +68,18 @@ class PhasedStep:
       self._jitted[key] = jax.jit(fn, **self._jit_kwargs)
     return self._jitted[key]
 
-  def compile(self, keys: Iterable[tuple], state_arg: Any, batch_arg: Any) -> None:
-    """Compiles the programs of ``keys`` now (abstract arguments with shardings): traced one
-    after another, compiled side by side."""
+  def compile(self, keys: Iterable[tuple], state_arg: Any, batch_arg: Any,
+              parallel: bool = False) -> None:
+    """Compiles the programs of ``keys`` now (abstract arguments with shardings), one after
+    another (``parallel``: side by side, each in a thread)."""
     todo = [k for k in dict.fromkeys(keys) if k not in self._compiled]
-    if not todo:
-      return
     lowered = [self._program(k).lower(state_arg, batch_arg) for k in todo]
-    with concurrent.futures.ThreadPoolExecutor(len(todo)) as pool:
-      for k, c in zip(todo, pool.map(lambda lo: lo.compile(), lowered)):
-        self._compiled[k] = c
+    if parallel and len(todo) > 1:
+      with concurrent.futures.ThreadPoolExecutor(len(todo)) as pool:
+        done = list(pool.map(lambda lo: lo.compile(), lowered))
+    else:
+      done = [lo.compile() for lo in lowered]
+    self._compiled.update(zip(todo, done))
 
   def __call__(self, key: tuple, state, batch):
     fn = self._compiled.get(key)
