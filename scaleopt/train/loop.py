@@ -338,6 +338,11 @@ class _Meter:
   def pause_done(self) -> None:  # eval just ran: do not count its time
     self.last_t = time.time()
 
+  def restart(self, step: int) -> None:
+    """A program ran for the first time up to ``step`` (loading its kernels, building its
+    cuDNN plans and CUDA graphs): the steps since the last interval are not timed."""
+    self.last_t, self.last_step = time.time(), step
+
   def overall(self) -> float:
     return self.timed_steps * self.tps_unit / self.train_s if self.train_s > 0 else float("nan")
 
@@ -638,6 +643,9 @@ def _run(cfg, s, state, step, feed, step0, log, meter, prof, save, evaluate, is_
     if meter.compile_s is None:
       jax.block_until_ready(m["loss"])
       meter.first_step_done(done)
+    elif step.fresh:  # a host-picked program's first run
+      jax.block_until_ready(m["loss"])
+      meter.restart(done)
     pending.append(m)
     if len(behind) == 2:
       consec = int(behind.pop(0))

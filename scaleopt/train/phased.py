@@ -94,6 +94,8 @@ class Dispatcher:
     self.phased, self.step, self.count = phased, step, count
     self.true_count = count  # of the oldest unconfirmed step
     self.shifts = 0
+    self.fresh = False  # the last step ran a program for the first time
+    self._ran: set = set()
     self._sent: collections.deque = collections.deque()  # (key, step) not yet confirmed
     self._redo = None
 
@@ -102,6 +104,8 @@ class Dispatcher:
     if self._redo is not None:
       key, self._redo = tuple(a or b for a, b in zip(key, self._redo)), None
     self._sent.append((key, self.step))
+    self.fresh = key not in self._ran
+    self._ran.add(key)
     self.step += 1
     self.count += 1
     return self.phased(key, state, batch)
@@ -123,6 +127,7 @@ class Dispatcher:
 class OneProgram:
   """The one-program step (device branches) behind ``Dispatcher``'s interface."""
   shifts = 0
+  fresh = False
 
   def __init__(self, step_fn: Callable):
     self._fn = step_fn
