@@ -56,7 +56,8 @@
 #       data4 + ZeRO-1, against AdamW fsdp4)
 #   SUITE_PLAN=phases bash benchmarks/gpu_scaling_suite.sh OUT_DIR  (2 GPUs, under 9.5 minutes:
 #       AdamW and Shampoo (defaults) with the host picking the step's branches (the default on
-#       GPUs) and with device branches (host_phases: off): one pass on 1 GPU, then up to five
+#       GPUs) and with device branches (host_phases: off): one pass on 1 GPU at 32 sequences
+#       (and Shampoo at 64, where on an H100 the programs do not fit side by side), then up to five
 #       passes on fsdp2 in alternating row order (each one process); after the first,
 #       sophia_bc on fsdp2 with and without host-picked branches)
 #   SCALEOPT_SUITE_DRY=1 [SUITE_PLAN=rerun] bash benchmarks/gpu_scaling_suite.sh OUT_DIR
@@ -238,8 +239,8 @@ data4+b64+m4+optadamw_bc+$V+zero" --same-process
   done
 elif [ "$PLAN" = phases ]; then
   OFF=rhost_phases=off
-  mt phases_1gpu 100 "data1+b64+m1,data1+b64+m1+optshampoo,data1+b64+m1+optshampoo+$OFF" \
-    --same-process --steps "$LONG"
+  mt phases_1gpu 100 "data1+b32+m1,data1+b32+m1+optshampoo,data1+b32+m1+optshampoo+$OFF,\
+data1+b64+m1+optshampoo" --same-process --steps "$LONG"
   A=fsdp2+b64+m1; S=$A+optshampoo
   mt phases_2gpu_1 100 "$A,$S,$S+$OFF" --same-process --steps "$LONG"
   V=evmap_microbatches=true

@@ -615,6 +615,15 @@ def _stepper(s: Setup, fns: Compiled, state, step0: int):
                     fns.state_shape, fns.state_sh)
   fns.phased.compile(fns.phased.keys_ahead(step0, count0, s.cfg.run.steps), st,
                      abstract_batch(s, fns.batch_sh))
+  need = fns.phased.side_by_side_bytes()
+  limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+  if limit and need > 0.97 * limit:
+    if jax.process_index() == 0:
+      print(f"run.host_phases: the {fns.phased.programs} step programs need "
+            f"{need / 2**30:.1f} GiB side by side and the device pool holds "
+            f"{limit / 2**30:.1f} GiB; running one program with device branches",
+            file=sys.stderr)
+    return phased_lib.OneProgram(fns.train_step)
   return phased_lib.Dispatcher(fns.phased, step0, count0)
 
 

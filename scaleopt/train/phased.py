@@ -81,6 +81,23 @@ class PhasedStep:
       done = [lo.compile() for lo in lowered]
     self._compiled.update(zip(todo, done))
 
+  @property
+  def programs(self) -> int:
+    return len(self._compiled)
+
+  def side_by_side_bytes(self) -> int:
+    """Device bytes per device if the compiled programs' temporaries sit side by side, with
+    the arguments and the outputs that do not reuse them. The device allocator keeps one
+    program's temporaries where its last run put them and allocates the batches of later
+    steps around them, so a program whose temporaries are larger than any earlier one's can
+    find no gap wide enough unless the pool holds them all."""
+    ma = [c.memory_analysis() for c in self._compiled.values()]
+    if not ma or any(m is None for m in ma):
+      return 0
+    top = max(ma, key=lambda m: m.argument_size_in_bytes + m.output_size_in_bytes)
+    return (top.argument_size_in_bytes + top.output_size_in_bytes - top.alias_size_in_bytes
+            + sum(m.temp_size_in_bytes for m in ma))
+
   def __call__(self, key: tuple, state, batch):
     fn = self._compiled.get(key)
     return (self._program(key) if fn is None else fn)(state, batch)
