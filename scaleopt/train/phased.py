@@ -12,9 +12,10 @@ step from the counters the host keeps (``run.host_phases``, on by default on GPU
 * ``step``, the trainer's step: exact.
 * ``count``, the optimizer's applied updates: it advances on every step but a skipped
   (non-finite) one, and the loop learns that a step was skipped two steps later. A skip thus
-  shifts the count predicted for the two steps dispatched meanwhile (their work runs one step
-  early or late), and when the skipped step was one that did the work (its result was
-  discarded with the step), the first step dispatched after the skip is known does it again.
+  shifts the count predicted for the two steps dispatched meanwhile (one of them may do the
+  work one step early, or not do it when its true count calls for it), and when the skipped
+  step was one that did the work (its result was discarded with the step), the first step
+  dispatched after the skip is known does it again.
 
 Without skips every step computes what the one-program step computes; ``shifts`` counts the
 steps whose outcomes differed from the optimizer's true count.
