@@ -604,6 +604,11 @@ def _summary(cfg: TrainConfig, s: Setup, res: _Outcome, meter: _Meter, start) ->
   }
 
 
+def _pool_bytes() -> Optional[int]:
+  """The memory pool of this process's first device, in bytes (None where unknown: CPU)."""
+  return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+
+
 def _stepper(s: Setup, fns: Compiled, state, step0: int):
   """``step(state, batch) -> (state, metrics)`` with ``step.confirm(skipped)``, called with
   each step's skip flag in order: the one-program step, or (``fns.phased``) the program the
@@ -616,13 +621,16 @@ def _stepper(s: Setup, fns: Compiled, state, step0: int):
   fns.phased.compile(fns.phased.keys_ahead(step0, count0, s.cfg.run.steps), st,
                      abstract_batch(s, fns.batch_sh))
   need = fns.phased.side_by_side_bytes()
-  limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
-  if limit and need > 0.97 * limit:
+  limit = _pool_bytes()
+  fits = not (limit and need > 0.97 * limit)
+  if jax.process_count() > 1:  # every process runs the same programs
+    from jax.experimental import multihost_utils
+    fits = bool(np.all(multihost_utils.process_allgather(np.array(fits))))
+  if not fits:
     if jax.process_index() == 0:
       print(f"run.host_phases: the {fns.phased.programs} step programs need "
-            f"{need / 2**30:.1f} GiB side by side and the device pool holds "
-            f"{limit / 2**30:.1f} GiB; running one program with device branches",
-            file=sys.stderr)
+            f"{need / 2**30:.1f} GiB per device side by side, more than a device's memory "
+            f"pool holds; running one program with device branches", file=sys.stderr)
     return phased_lib.OneProgram(fns.train_step)
   return phased_lib.Dispatcher(fns.phased, step0, count0)
 

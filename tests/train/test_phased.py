@@ -3,11 +3,9 @@ run; the host's count follows skips; programs that cannot sit side by side in th
 fall back to one program."""
 
 import json
-import types
 
 import jax
 import numpy as np
-import pytest
 
 from scaleopt.optim import phases
 from scaleopt.train import checkpoint, config as C, loop, phased
@@ -108,13 +106,7 @@ def test_a_skip_before_a_root_step_adds_one_early():
 
 
 def test_programs_that_do_not_fit_side_by_side_fall_back_to_one(tmp_path, monkeypatch, capsys):
-  real = jax.local_devices
-
-  def small_pool():
-    dev = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 1})
-    return [dev] + real()[1:]
-
-  monkeypatch.setattr(loop.jax, "local_devices", small_pool)
+  monkeypatch.setattr(loop, "_pool_bytes", lambda: 2 ** 20)  # 1 MiB per device
   raw = json.loads(json.dumps(RAW))
   raw["run"].update(host_phases="on", steps=5, telemetry_every=0)
   summary = loop.train(C.from_dict(raw), tmp_path / "run")
