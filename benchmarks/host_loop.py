@@ -13,8 +13,11 @@ the batch put (``_hostms``):
   later (the loop's former stop rule);
 * ``fresh_sync1_host``: the same, timed separately once more.
 
-A ``_hostms`` close to the step time means the dispatch itself waited for the device: a step
-holding ``lax.cond`` / ``while_loop`` on GPU.
+In the ``*_async`` modes a dispatch also waits once the runtime holds as many launched steps
+as it queues; in the ``*_sync1`` modes (at most two steps in flight) a ``_hostms`` close to
+the step time means the dispatch itself waited for the device: a step holding ``lax.cond`` /
+``while_loop`` on GPU (``run.host_phases: off``; the trainer's default on GPUs picks programs
+without them, ``benchmarks/phase_programs.py``).
 """
 import pathlib
 import sys
