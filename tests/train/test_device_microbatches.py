@@ -84,7 +84,7 @@ def _run(tmp_path, name, data, zero=False):
 
 
 @pytest.mark.parametrize("name,data,zero", [
-    ("adamw_bc", 8, False),
+    pytest.param("adamw_bc", 8, False, marks=pytest.mark.slow),  # data 8 (ZeRO-1 below)
     ("adamw_bc", 8, True),
     pytest.param("sophia_bc", 8, False, marks=pytest.mark.slow),
     ("adamw_bc", 1, False),  # fsdp 8: the microbatches on the fsdp axis

@@ -12,10 +12,10 @@ from scaleopt.train import checkpoint, config as C, loop, phased
 
 from train_helpers import tiny_raw
 
-ROOT = 3
-RAW = tiny_raw(run={"steps": 7, "checkpoint_every": 0, "eval_every": 0, "eval_batches": 0,
+# roots on even steps (count % 2), telemetry on odd ones ((step + 1) % 2): two programs
+RAW = tiny_raw(run={"steps": 6, "checkpoint_every": 0, "eval_every": 0, "eval_batches": 0,
                     "tensorboard": False, "telemetry_every": 2, "log_every": 1},
-               optimizer={"name": "shampoo", "extra": {"root_every": ROOT, "block_size": 16}})
+               optimizer={"name": "shampoo", "extra": {"root_every": 2, "block_size": 16}})
 
 
 def _train(tmp_path, host_phases):
@@ -105,10 +105,14 @@ def test_a_skip_before_a_root_step_adds_one_early():
   assert d.shifts == 1
 
 
-def test_programs_that_do_not_fit_side_by_side_fall_back_to_one(tmp_path, monkeypatch, capsys):
-  monkeypatch.setattr(loop, "_pool_bytes", lambda: 2 ** 20)  # 1 MiB per device
+def test_programs_that_do_not_fit_side_by_side_fall_back_to_one(monkeypatch, capsys):
   raw = json.loads(json.dumps(RAW))
-  raw["run"].update(host_phases="on", steps=5, telemetry_every=0)
-  summary = loop.train(C.from_dict(raw), tmp_path / "run")
-  assert summary["phase_shifts"] is None
+  raw["run"]["host_phases"] = "on"
+  raw["optimizer"] = {"name": "adamw"}  # telemetry's two programs
+  s = loop.setup(C.from_dict(raw))
+  fns = loop.compile_fns(s)
+  state = fns.init()
+  assert isinstance(loop._stepper(s, fns, state, 0), phased.Dispatcher)  # CPU: no pool limit
+  monkeypatch.setattr(loop, "_pool_bytes", lambda: 2 ** 20)  # 1 MiB per device
+  assert isinstance(loop._stepper(s, fns, state, 0), phased.OneProgram)
   assert "running one program with device branches" in capsys.readouterr().err

@@ -62,14 +62,29 @@ def _raw(optimizer, micro=2, mesh=None, **extra):
                   data={"microbatches": micro})
 
 
+def _compile_and_run(d, raws):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  r = subprocess.run([sys.executable, "-c", SCRIPT, str(d), json.dumps(raws)], cwd=ROOT,
+                     env=env, capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return d, json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def bc_runs(tmp_path_factory):
+  """The collector blocks each group-B gradient too (cross-fit, eigenvalue variances)."""
+  return _compile_and_run(tmp_path_factory.mktemp("bc_blocks"), {
+      "bc_major": _raw({**SHAMPOO, "name": "shampoo_bc"}, micro=4),
+      "bc_layers": _raw({**SHAMPOO, "name": "shampoo_bc"}, micro=4, block_major="layers"),
+      "adamw": _raw({"name": "adamw"})})
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   d = tmp_path_factory.mktemp("blocks")
   raws = {"adamw": _raw({"name": "adamw"}), "major": _raw(SHAMPOO),
           "layers": _raw(SHAMPOO, block_major="layers"),
-          # the collector blocks each group-B gradient too (cross-fit, eigenvalue variances)
-          "bc_major": _raw({**SHAMPOO, "name": "shampoo_bc"}, micro=4),
-          "bc_layers": _raw({**SHAMPOO, "name": "shampoo_bc"}, micro=4, block_major="layers"),
           # statistics every other step, in host memory or not, their blocks split over the
           # two devices
           "major_s2": _raw(SHAMPOO, stats_every=2),
@@ -80,12 +95,7 @@ def runs(tmp_path_factory):
           "shards32": _raw(SHAMPOO, block_size=32, block_shards="fsdp"),
           "shards32_data2": _raw(SHAMPOO, block_size=32, block_shards=2,
                                  mesh={"data": 2, "fsdp": 1})}
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  r = subprocess.run([sys.executable, "-c", SCRIPT, str(d), json.dumps(raws)], cwd=ROOT,
-                     env=env, capture_output=True, text=True, timeout=900)
-  assert r.returncode == 0, r.stderr[-3000:]
-  return d, json.loads(r.stdout.strip().splitlines()[-1])
+  return _compile_and_run(d, raws)
 
 
 def test_fsdp_ordered_blocks_move_no_gradient(runs):
@@ -94,9 +104,9 @@ def test_fsdp_ordered_blocks_move_no_gradient(runs):
   assert moves["layers"] > moves["adamw"], moves  # the other order does move data
 
 
-@pytest.mark.parametrize("name", ["", "bc_"])
-def test_block_orders_give_the_same_update(runs, name):
-  d, _ = runs
+@pytest.mark.parametrize("name", ["", pytest.param("bc_", marks=pytest.mark.slow)])
+def test_block_orders_give_the_same_update(request, name):
+  d, _ = request.getfixturevalue("bc_runs" if name else "runs")
   major, layers = (np.load(d / f"{name}{n}.npz") for n in ("major", "layers"))
   adamw = np.load(d / "adamw.npz")
   for k in major.files:
