@@ -194,11 +194,11 @@ class _Prefetch:
   """Training batches on the devices, made ahead by a background thread (``it.next()`` and
   the host-to-device put; ``depth`` queued and one in hand), at most ``count`` of them.
 
-  A train step whose program holds a ``lax.cond`` or ``while_loop`` (Shampoo's root and
-  statistics branches, Sophia's refresh, the collectors' refresh steps) makes the GPU runtime
-  read the predicate on the host, so dispatching it returns only once the previous step has
-  run; the next batch's host work then no longer hides behind the step unless it runs
-  beside it. ``state()`` is the iterator position after the batches handed out so far (what
+  A train step whose program holds a ``lax.cond`` or ``while_loop`` (``run.host_phases:
+  off``: Shampoo's root and statistics branches, Sophia's refresh, the collectors' refresh
+  steps; Newton's root iterations on root steps either way) makes the GPU runtime read the
+  predicate on the host, so dispatching it returns only once the previous step has run; the
+  next batch's host work then no longer hides behind the step unless it runs beside it. ``state()`` is the iterator position after the batches handed out so far (what
   a checkpoint records); an error of the iterator is raised by the ``next()`` that reaches
   it."""
 
@@ -472,15 +472,16 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
                            config=cfg.to_dict())
   prof = metrics.Profile(out / "profile", r.profile)
   meter = _Meter(s.spec.num_groups * d.batch_size * d.seq_len)
-  shape = batch_shape(s)
-  feed = _Prefetch(it, lambda b: {k: _put(fns.batch_sh, v, shape) for k, v in b.items()},
-                   max(0, r.steps - step0))
-  step = _stepper(s, fns, state, step0)
+  shape, feed = batch_shape(s), None
   try:
+    step = _stepper(s, fns, state, step0)  # compiles host-picked programs (timed as compile)
+    feed = _Prefetch(it, lambda b: {k: _put(fns.batch_sh, v, shape) for k, v in b.items()},
+                     max(0, r.steps - step0))
     res = _run(cfg, s, state, step, feed, step0, log, meter, prof, save, evaluate, is_main,
                sig)
   finally:
-    feed.close()
+    if feed is not None:
+      feed.close()
     log.close()
     ckpt.close()
   summary = _summary(cfg, s, res, meter, start)
