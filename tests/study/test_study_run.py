@@ -156,6 +156,7 @@ def test_units_that_run_out_of_memory_are_split(tmp_path, monkeypatch, capsys):
     cli.main(args[:3] + ["--out", str(tmp_path / "other")] + args[5:])
 
 
+@pytest.mark.slow  # two worker processes compiling their own cells: half a minute on CPU
 def test_study_workers_script_shares_one_folder(tmp_path):
   """scripts/study_workers.sh: two workers (as on two GPUs), started by two launches that join
   through SCALEOPT_CLAIM_TOKEN / SCALEOPT_DEADLINE, finish every cell of the study once between

@@ -9,6 +9,7 @@ devices: tests/train/test_shampoo_blocks.py.
 
 import jax
 import numpy as np
+import pytest
 
 from scaleopt.optim.shampoo_lib import ShampooFactors
 from scaleopt.train import checkpoint, config as C, loop
@@ -53,6 +54,7 @@ def _same_state(got, want):
       np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.slow  # a minute on CPU; offload's equality on 2 devices runs in test_shampoo_blocks
 def test_a_run_saved_on_the_device_resumes_with_offloaded_statistics(tmp_path):
   """Shampoo-BC (the collector reads L, R on root steps) saved with its statistics on the
   device, resumed with them in host memory: the checkpoint restores into host memory and the
