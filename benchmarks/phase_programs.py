@@ -11,8 +11,8 @@ dispatch call, and the device's memory in use and peak (GiB) after the mode:
 
 * ``cond``: the one program, nothing read back;
 * ``phased``: the program of each step's outcomes (``phased.Dispatcher``), compiled ahead one
-  after another as the trainer does, nothing read back; ``parallel``: compiled side by side;
-  ``jit``: each compiled at its first call (in the warm-up);
+  after another as the trainer does, nothing read back; ``jit``: each compiled at its first
+  call (in the warm-up);
 * ``plain``: only the program without the periodic work (every step a non-root step);
 * ``*_sync1``: as the mode, reading each step's skip counter one step later.
 """
@@ -40,16 +40,11 @@ def _memory() -> str:
           f"{st.get('peak_bytes_in_use', 0) / g:.1f} GiB")
 
 
-def abstract(s, fns):
-  return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                      fns.state_shape, fns.state_sh)
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--config", default="data1+b32+m1+optshampoo")
   ap.add_argument("--steps", type=int, default=30)
-  ap.add_argument("--modes", default="cond,phased,plain,phased_sync1,cond_sync1,jit,parallel")
+  ap.add_argument("--modes", default="cond,phased,plain,phased_sync1,cond_sync1,jit")
   a = ap.parse_args(argv)
   c = mt.parse(a.config + "+rhost_phases=on", DEFAULTS)
   s = loop.setup(mt.train_config(c))
@@ -65,15 +60,14 @@ def main(argv=None) -> int:
     base = mode.removesuffix("_sync1")
     if base == "cond":
       run = fns.train_step
-    elif base in ("phased", "parallel", "jit"):
+    elif base in ("phased", "jit"):
       step0 = int(jax.device_get(st.step))
       ph = loop.compile_fns(s).phased  # fresh programs
       if base == "jit":  # each program compiled at its first call, in the warm-up below
         for k in ph.keys_ahead(step0, step0, step0 + ph.period):
           st, m = ph(k, st, batch)
       else:  # as the trainer does: compiled ahead
-        ph.compile(ph.keys_ahead(step0, step0, step0 + ph.period), abstract(s, fns),
-                   loop.abstract_batch(s, fns.batch_sh), parallel=base == "parallel")
+        ph.compile(ph.keys_ahead(step0, step0, step0 + ph.period), *mt.step_inputs(s, fns))
       run = phased_lib.Dispatcher(ph, int(jax.device_get(st.step)),
                                   int(jax.device_get(st.step - st.skipped)))
     else:

@@ -198,9 +198,9 @@ class _Prefetch:
   off``: Shampoo's root and statistics branches, Sophia's refresh, the collectors' refresh
   steps; Newton's root iterations on root steps either way) makes the GPU runtime read the
   predicate on the host, so dispatching it returns only once the previous step has run; the
-  next batch's host work then no longer hides behind the step unless it runs beside it. ``state()`` is the iterator position after the batches handed out so far (what
-  a checkpoint records); an error of the iterator is raised by the ``next()`` that reaches
-  it."""
+  next batch's host work then no longer hides behind the step unless it runs beside it.
+  ``state()`` is the iterator position after the batches handed out so far (what a
+  checkpoint records); an error of the iterator is raised by the ``next()`` that reaches it."""
 
   def __init__(self, it: data.Batches, put, count: int, depth: int = 2):
     self._state = it.state()
@@ -258,7 +258,7 @@ class Compiled:
   state_sh: Any
   batch_sh: Any
   eval_sh: Any
-  phased: Any = None  # phased.PhasedStep when the host picks the step's branches, else None
+  phased: Any = None  # phased.PhasedStep where the host may pick the step's branches, else None
 
 
 def batch_shape(s: Setup) -> tuple:
@@ -307,7 +307,7 @@ def compile_fns(s: Setup) -> Compiled:
       train_step=jax.jit(step_fn, **step_kw),
       eval_step=jax.jit(step_lib.make_eval_step(s.model), in_shardings=(param_sh, eval_sh)),
       state_shape=state_shape, state_sh=state_sh, batch_sh=batch_sh, eval_sh=eval_sh,
-      phased=phased if phased is not None and phased.schedules else None)
+      phased=phased)
 
 
 class _Meter:
@@ -614,12 +614,11 @@ def _stepper(s: Setup, fns: Compiled, state, step0: int):
   """``step(state, batch) -> (state, metrics)`` with ``step.confirm(skipped)``, called with
   each step's skip flag in order: the one-program step, or (``fns.phased``) the program the
   host's counters pick, those of the coming steps compiled now."""
-  if fns.phased is None:
+  if fns.phased is None or not fns.phased.schedules:
     return phased_lib.OneProgram(fns.train_step)
   count0 = step0 - int(jax.device_get(state.skipped))  # the optimizer's applied updates
-  st = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                    fns.state_shape, fns.state_sh)
-  fns.phased.compile(fns.phased.keys_ahead(step0, count0, s.cfg.run.steps), st,
+  fns.phased.compile(fns.phased.keys_ahead(step0, count0, s.cfg.run.steps),
+                     checkpoint.abstract(fns.state_shape, fns.state_sh),
                      abstract_batch(s, fns.batch_sh))
   need = fns.phased.side_by_side_bytes()
   limit = _pool_bytes()

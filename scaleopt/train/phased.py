@@ -24,7 +24,7 @@ steps whose outcomes differed from the optimizer's true count.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
+import functools
 import math
 from typing import Any, Callable, Iterable
 
@@ -37,15 +37,22 @@ _AHEAD = 4096  # at most this many steps are scanned for the outcomes to compile
 
 class PhasedStep:
   """``step_fn`` compiled once per combination of outcomes of the schedules it asks about
-  (found by tracing it once with device branches)."""
+  (found, when first asked for, by tracing it once with device branches)."""
 
   def __init__(self, step_fn: Callable, jit_kwargs: dict, state_shape: Any, batch_shape: Any):
-    with phases.record() as found:
-      jax.eval_shape(step_fn, state_shape, batch_shape)
-    self.schedules = tuple(sorted(found))
-    self.period = math.lcm(*(s.every for s in self.schedules)) if self.schedules else 1
     self._fn, self._jit_kwargs = step_fn, jit_kwargs
+    self._shapes = (state_shape, batch_shape)
     self._jitted, self._compiled = {}, {}
+
+  @functools.cached_property
+  def schedules(self) -> tuple:
+    with phases.record() as found:
+      jax.eval_shape(self._fn, *self._shapes)
+    return tuple(sorted(found))
+
+  @property
+  def period(self) -> int:
+    return math.lcm(*(s.every for s in self.schedules)) if self.schedules else 1
 
   def key(self, counters: dict) -> tuple:
     """The outcome of every schedule at these counter values."""
@@ -69,18 +76,12 @@ class PhasedStep:
       self._jitted[key] = jax.jit(fn, **self._jit_kwargs)
     return self._jitted[key]
 
-  def compile(self, keys: Iterable[tuple], state_arg: Any, batch_arg: Any,
-              parallel: bool = False) -> None:
-    """Compiles the programs of ``keys`` now (abstract arguments with shardings), one after
-    another (``parallel``: side by side, each in a thread)."""
-    todo = [k for k in dict.fromkeys(keys) if k not in self._compiled]
-    lowered = [self._program(k).lower(state_arg, batch_arg) for k in todo]
-    if parallel and len(todo) > 1:
-      with concurrent.futures.ThreadPoolExecutor(len(todo)) as pool:
-        done = list(pool.map(lambda lo: lo.compile(), lowered))
-    else:
-      done = [lo.compile() for lo in lowered]
-    self._compiled.update(zip(todo, done))
+  def compile(self, keys: Iterable[tuple], state_arg: Any, batch_arg: Any) -> None:
+    """Compiles the programs of ``keys`` now, one after another (abstract arguments with
+    shardings)."""
+    for k in dict.fromkeys(keys):
+      if k not in self._compiled:
+        self._compiled[k] = self._program(k).lower(state_arg, batch_arg).compile()
 
   @property
   def programs(self) -> int:
