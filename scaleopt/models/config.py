@@ -30,6 +30,7 @@ REPARAMS = ("none", "or_product", "or_normalized")
 DUAL_TARGETS = ("q", "k", "v", "gate", "up")
 REMATS = ("none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+LOSS_KERNELS = ("auto", "pallas", "xla")
 DTYPES = ("bfloat16", "float32", "float16")
 FINAL_SCALE_ROLES = ("input", "output")
 
@@ -115,6 +116,10 @@ class ModelConfig:
   # loss_chunks > 1 slices the sequence axis (less memory, one more head matmul).
   fused_loss: bool = True
   loss_chunks: int = 1
+  # The fused loss's per-row work (lse, nll, logit gradient): auto is the Pallas kernel
+  # (models/kernels.py) on GPU with a 16-bit dtype, one chunk and no tensor parallelism,
+  # else XLA; pallas off GPU runs the Pallas interpreter (tests).
+  loss_kernel: str = "auto"
 
   # --- derived -------------------------------------------------------------------------
   @property
@@ -169,6 +174,10 @@ class ModelConfig:
     _check_choice("reparam", self.reparam, REPARAMS)
     _check_choice("remat", self.remat, REMATS)
     _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+    _check_choice("loss_kernel", self.loss_kernel, LOSS_KERNELS)
+    if self.loss_kernel == "pallas" and self.loss_chunks != 1:
+      raise ValueError(f"ModelConfig.loss_kernel='pallas' needs loss_chunks=1, got "
+                       f"{self.loss_chunks}")
     _check_choice("dtype", self.dtype, DTYPES)
     _check_choice("final_scale_role", self.final_scale_role, FINAL_SCALE_ROLES)
     if not isinstance(self.dual_targets, tuple):

@@ -19,6 +19,14 @@ residuals are the compute-dtype logits and lse (``chunks=1``), or only h, W and 
 (``chunks > 1``: the sequence axis is processed in ``chunks`` slices under ``lax.map`` and
 each slice's logits are recomputed in the backward pass, so at most ``B T / chunks x V``
 logits exist at a time, at the price of one more head matmul).
+
+With ``kernel=True`` (``chunks=1``) the forward pass computes lse, nll and d = dz / c in one
+Pallas GPU kernel, :func:`scaleopt.models.kernels.xent_rows`, that reads the logits twice
+and writes d over them; the residual is d and the backward pass is the two matmuls alone
+(dh = c (d W^T), dW = (c h)^T d: c scales rows, no pass over ``[N, V]``). XLA's form reads
+the logits twice in the forward pass and once more, with a write, in the backward pass.
+Under a mesh the kernel runs per device on its rows (``shard_map`` over the batch axes); it
+needs whole vocabulary rows, so tensor parallelism uses the XLA form.
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from scaleopt.models import sharding
+from scaleopt.models import kernels, sharding
 
 f32 = jnp.float32
 
@@ -48,6 +57,24 @@ def _dlogits(z: jax.Array, lse: jax.Array, y: jax.Array, c: jax.Array) -> jax.Ar
   return (c[..., None] * (p - (v == y[..., None]).astype(f32))).astype(z.dtype)
 
 
+def _kernel_rows(z: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(nll ``[B, T]``, d ``[B, T, V]``) of logits z ``[B, T, V]`` by the Pallas kernel, per
+  device on its rows under a mesh."""
+
+  def local(z, y):
+    b, t, v = z.shape
+    nll, d = kernels.xent_rows(z.reshape(b * t, v), y.reshape(b * t),
+                               interpret=jax.default_backend() != "gpu")
+    return nll.reshape(b, t), d.reshape(b, t, v)
+
+  mesh = sharding.current_mesh()
+  if mesh is None:
+    return local(z, y)
+  spec = sharding.mesh_spec(mesh, ("batch", None, None), z.shape)
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(*spec[:2])),
+                       out_specs=(P(*spec[:2]), spec), check_vma=False)(z, y)
+
+
 def _logits(h: jax.Array, w: jax.Array) -> jax.Array:
   return sharding.constrain(jnp.einsum("btd,dv->btv", h, w), ("batch", None, "tensor"))
 
@@ -64,12 +91,16 @@ def _unchunked(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, 0, 1).reshape(b, c * tc, *x.shape[3:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _nll(h, w, y, chunks):
-  return _nll_fwd(h, w, y, chunks)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _nll(h, w, y, chunks, kernel):
+  del kernel  # without a gradient, d is not needed: XLA's lse alone
+  return _nll_fwd(h, w, y, chunks, False)[0]
 
 
-def _nll_fwd(h, w, y, chunks):
+def _nll_fwd(h, w, y, chunks, kernel):
+  if chunks == 1 and kernel:
+    nll, d = _kernel_rows(_logits(h, w), y)
+    return nll, (h, w, y, d, None)
   if chunks == 1:
     z = _logits(h, w)
     lse, nll = _lse_nll(z, y)
@@ -79,9 +110,13 @@ def _nll_fwd(h, w, y, chunks):
   return _unchunked(nll), (h, w, y, None, _unchunked(lse))
 
 
-def _nll_bwd(chunks, res, c):
+def _nll_bwd(chunks, kernel, res, c):
   h, w, y, z, lse = res
   c = c.astype(f32)
+  if chunks == 1 and kernel:  # z holds d = softmax - onehot; c scales the rows of h and dh
+    dh = c[..., None] * jnp.einsum("btv,dv->btd", z, w, preferred_element_type=f32)
+    dw = jnp.einsum("btd,btv->dv", (c[..., None] * h).astype(h.dtype), z)
+    return dh.astype(h.dtype), dw, None
   if chunks == 1:
     dz = _dlogits(z, lse, y, c)
     dh = jnp.einsum("btv,dv->btd", dz, w)
@@ -102,26 +137,42 @@ def _nll_bwd(chunks, res, c):
 _nll.defvjp(_nll_fwd, _nll_bwd)
 
 
+def use_kernel(setting: str, dtype: jnp.dtype, chunks: int = 1) -> bool:
+  """Whether the fused loss runs :func:`scaleopt.models.kernels.xent_rows` for the setting
+  ``auto | pallas | xla`` (``ModelConfig.loss_kernel``): ``auto`` on GPU with a 16-bit
+  dtype, one chunk and no tensor parallelism. Call it while tracing (it reads the mesh)."""
+  if setting == "pallas" and sharding.tensor_parallel():
+    raise ValueError("loss_kernel='pallas' needs whole vocabulary rows per device; the mesh "
+                     "splits them over its tensor axis (use auto or xla)")
+  return setting == "pallas" or (
+      setting == "auto" and chunks == 1 and jax.default_backend() == "gpu"
+      and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and not sharding.tensor_parallel())
+
+
 def head_nll(h_BxTxD: jax.Array, w_DxV: jax.Array, targets_BxT: jax.Array,
-             chunks: int = 1) -> jax.Array:
+             chunks: int = 1, kernel: bool = False) -> jax.Array:
   """Per-token ``logsumexp(h W) - (h W)[y]`` in float32 (``[B, T]``), differentiable in h
   and W (h and W in the compute dtype).
 
   ``chunks`` must divide T (1: the whole sequence at once, logits kept in the compute dtype
   for the backward pass; k > 1: k slices of the sequence axis, logits recomputed in the
-  backward pass).
+  backward pass). ``kernel``: the per-row work as one Pallas kernel (``chunks=1`` only; the
+  Pallas interpreter off GPU).
   """
   t = h_BxTxD.shape[1]
   if chunks < 1 or t % chunks:
     raise ValueError(f"loss_chunks={chunks} must be >= 1 and divide the sequence length {t}")
-  return _nll(h_BxTxD, w_DxV, targets_BxT.astype(jnp.int32), chunks)
+  if kernel and chunks != 1:
+    raise ValueError(f"loss_kernel='pallas' needs loss_chunks=1, got {chunks}")
+  return _nll(h_BxTxD, w_DxV, targets_BxT.astype(jnp.int32), chunks, kernel)
 
 
 def head_loss(h_BxTxD: jax.Array, w_DxV: jax.Array, targets_BxT: jax.Array,
-              mask_BxT: jax.Array | None = None, chunks: int = 1) -> jax.Array:
+              mask_BxT: jax.Array | None = None, chunks: int = 1,
+              kernel: bool = False) -> jax.Array:
   """Mean cross-entropy over supervised positions of the logits ``h W`` (float32):
   ``sum_{b,t} m_{bt} nll_{bt} / max(sum m, 1)``; equals ``lm_loss(h W, targets, mask)``."""
-  nll = head_nll(h_BxTxD, w_DxV, targets_BxT, chunks)
+  nll = head_nll(h_BxTxD, w_DxV, targets_BxT, chunks, kernel)
   if mask_BxT is None:
     return jnp.mean(nll)
   m = mask_BxT.astype(f32)

@@ -22,7 +22,7 @@ from flax import nnx
 
 from scaleopt.models import sharding
 from scaleopt.models.config import ModelConfig
-from scaleopt.models.loss import head_loss
+from scaleopt.models.loss import head_loss, use_kernel
 from scaleopt.models.layers import (Attention, GatedMLP, Linear, Scale, effective_kernel,
                                     get_scale, rms_norm, rope_tables)
 from scaleopt.models.moe import MoE
@@ -138,7 +138,8 @@ class Transformer(nnx.Module):
       logits, aux = self(tokens_BxT)
       return lm_loss(logits, targets_BxT, mask_BxT), aux
     h, w_DxV, aux = self.features(tokens_BxT)
-    return head_loss(h, w_DxV, targets_BxT, mask_BxT, cfg.loss_chunks), aux
+    kernel = use_kernel(cfg.loss_kernel, h.dtype, cfg.loss_chunks)
+    return head_loss(h, w_DxV, targets_BxT, mask_BxT, cfg.loss_chunks, kernel), aux
 
   def features(self, tokens_BxT: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
     """(final normed hidden states [B, T, d] and LM head [d, V], both in the compute dtype,
