@@ -9,9 +9,8 @@ training):
 
 * ``xla``: lse and nll (two reductions over z), then d = softmax - onehot (one pass that
   writes d): what ``model.loss_kernel: xla`` computes, forward and backward together;
-* ``pallas bB wW pK``: :func:`scaleopt.models.kernels.xent_rows` with blocks of B columns, W
-  warps and K programs per GPU core, each taking every (K x cores)-th row (p0: one program
-  per row; the default is marked);
+* ``pallas bB wW``: :func:`scaleopt.models.kernels.xent_rows` with blocks of B columns and W
+  warps (the default is marked);
 * ``matmul``: z alone (its time is in every row);
 * ``head + loss fwd+bwd``: ``jax.grad`` of ``loss.head_loss`` in h and W, XLA against the
   kernel (the training step's whole head and loss).
@@ -34,9 +33,7 @@ from jax.experimental import pallas as pl
 from scaleopt.models import kernels, loss
 
 f32 = jnp.float32
-# (columns per load, warps, programs per core; 0: one program per row)
-CONFIGS = ((8192, 16, 0), (4096, 8, 0), (8192, 16, 1), (8192, 16, 2), (8192, 8, 2), (8192, 8, 4),
-           (4096, 8, 4), (4096, 8, 8), (4096, 4, 8), (8192, 4, 4))
+CONFIGS = ((8192, 16), (4096, 8), (8192, 8), (4096, 16), (8192, 32))  # (columns per load, warps)
 
 
 def _time(fn, *args, reps):
@@ -71,13 +68,12 @@ def run(n, v, d, reps, interpret, configs):
   z = h @ w
   rows = [("matmul", jax.jit(lambda h, w, y: h @ w))]
   rows.append(("xla", jax.jit(lambda h, w, y: _xla_rows(h @ w, y))))
-  cores = getattr(jax.devices()[0], "core_count", 1)
-  for b, nw, k in dict.fromkeys((min(b, pl.next_power_of_2(v)), nw, k) for b, nw, k in configs):
-    mark = " (default)" if (b, nw, k) == (min(kernels.BLOCK, pl.next_power_of_2(v)),
-                                             kernels.NUM_WARPS, kernels.PROGRAMS_PER_CORE) else ""
-    rows.append((f"pallas b{b} w{nw} p{k}{mark}", jax.jit(
-        lambda h, w, y, b=b, nw=nw, k=k: kernels.xent_rows(
-            h @ w, y, block=b, num_warps=nw, programs=k * cores, interpret=interpret))))
+  for b, nw in dict.fromkeys((min(b, pl.next_power_of_2(v)), nw) for b, nw in configs):
+    mark = " (default)" if (b, nw) == (min(kernels.BLOCK, pl.next_power_of_2(v)),
+                                          kernels.NUM_WARPS) else ""
+    rows.append((f"pallas b{b} w{nw}{mark}", jax.jit(
+        lambda h, w, y, b=b, nw=nw: kernels.xent_rows(h @ w, y, block=b, num_warps=nw,
+                                                      interpret=interpret))))
   out = []
   for name, fn in rows:
     ms = _time(fn, h, w, y, reps=reps)
@@ -106,7 +102,7 @@ def main(argv=None) -> int:
   a = ap.parse_args(argv)
   configs = list(CONFIGS)
   if a.quick:
-    a.tokens, a.vocab, a.d, a.reps, configs = "64", 1000, 32, 2, [(256, 4, 0), (1024, 8, 8)]
+    a.tokens, a.vocab, a.d, a.reps, configs = "64", 1000, 32, 2, [(256, 4), (1024, 8)]
   dev = jax.devices()[0]
   interpret = dev.platform != "gpu"
   print(f"# {dev.device_kind} ({dev.platform}), jax {jax.__version__}, V={a.vocab} d={a.d}, "

@@ -8,9 +8,11 @@ float32 arithmetic,
   nll_n  = lse_n - z_{n, y_n}
   d_nv   = exp(z_nv - lse_n) - [v = y_n]          (stored in z's dtype, in z's buffer)
 
-so the logit gradient of any per-row cotangent c is ``c_n d_nv``. The row is read twice
-(the second read finds it in L2) and written once: the XLA form reads it three times in the
-forward pass (max, sum of exp) and again, with a write, in the backward pass.
+so the logit gradient of any per-row cotangent c is ``c_n d_nv``. The kernel reads each row
+twice and writes it once; XLA's form reads it twice in the forward pass (max, sum of exp)
+and once more, with a write, in the backward pass. Blocks of ``BLOCK`` columns, ``NUM_WARPS``
+warps per row: the fastest of the settings compared on an H100 at gpt2-small's shapes
+(``benchmarks/loss_kernel.py``; docs/benchmarks.md).
 
 ``interpret=True`` runs the same kernel through the Pallas interpreter (CPU tests).
 """
@@ -60,44 +62,27 @@ def _row(z_ref, d_ref, r, y, block: int):
   return lse - zy
 
 
-def _rows(z_ref, y_ref, nll_ref, d_ref, *, block: int, programs: int):
-  """Program p takes rows p, p + programs, ... (``programs`` = N: one row each). Fewer
-  programs than rows keep fewer rows in flight, so a row's second read can find it in L2."""
-  n, pid = z_ref.shape[0], pl.program_id(0)
-
-  def body(t, carry):
-    r = t * programs + pid
-
-    @pl.when(r < n)
-    def _():
-      nll_ref[r] = _row(z_ref, d_ref, r, y_ref[r], block)
-    return carry
-
-  jax.lax.fori_loop(0, pl.cdiv(n, programs), body, 0)
+def _rows(z_ref, y_ref, nll_ref, d_ref, *, block: int):
+  r = pl.program_id(0)
+  nll_ref[r] = _row(z_ref, d_ref, r, y_ref[r], block)
 
 
 BLOCK = 8192  # columns per load
 NUM_WARPS = 16
-PROGRAMS_PER_CORE = 0  # programs per GPU core (SM); 0: one program per row
 
 
-@functools.partial(jax.jit, static_argnames=("block", "num_warps", "programs", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block", "num_warps", "interpret"))
 def xent_rows(z_NxV: jax.Array, y_N: jax.Array, *, block: int | None = None,
-              num_warps: int | None = None, programs: int | None = None,
-              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+              num_warps: int | None = None, interpret: bool = False
+              ) -> tuple[jax.Array, jax.Array]:
   """(nll ``[N]`` float32, d ``[N, V]`` in z's dtype) as in the module docstring; d takes
   z's buffer when z is not used afterwards. ``block`` (columns per load) and ``num_warps``
-  default to ``BLOCK`` and ``NUM_WARPS``; ``programs``: that many programs, each taking
-  every ``programs``-th row (default: ``PROGRAMS_PER_CORE`` per core of the device, or one
-  per row)."""
+  default to ``BLOCK`` and ``NUM_WARPS``. One program per row."""
   n, v = z_NxV.shape
-  block = min(block or BLOCK, pl.next_power_of_2(v))
-  params = dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps or NUM_WARPS),
-                input_output_aliases={0: 1}, interpret=interpret, name="xent_rows")
-  if not programs and PROGRAMS_PER_CORE:
-    programs = PROGRAMS_PER_CORE * getattr(jax.devices()[0], "core_count", 1)
-  programs = min(programs or n, n)
   return pl.pallas_call(
-      functools.partial(_rows, block=block, programs=programs), grid=(programs,),
+      functools.partial(_rows, block=min(block or BLOCK, pl.next_power_of_2(v))), grid=(n,),
       out_shape=(jax.ShapeDtypeStruct((n,), f32), jax.ShapeDtypeStruct((n, v), z_NxV.dtype)),
-      **params)(z_NxV, y_N.astype(jnp.int32))
+      input_output_aliases={0: 1},
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps or NUM_WARPS),
+      interpret=interpret, name="xent_rows",
+  )(z_NxV, y_N.astype(jnp.int32))

@@ -137,15 +137,17 @@ def _nll_bwd(chunks, kernel, res, c):
 _nll.defvjp(_nll_fwd, _nll_bwd)
 
 
-def use_kernel(setting: str, dtype: jnp.dtype, chunks: int = 1) -> bool:
+def use_kernel(setting: str, dtype: jnp.dtype, chunks: int = 1,
+               backend: str | None = None) -> bool:
   """Whether the fused loss runs :func:`scaleopt.models.kernels.xent_rows` for the setting
   ``auto | pallas | xla`` (``ModelConfig.loss_kernel``): ``auto`` on GPU with a 16-bit
-  dtype, one chunk and no tensor parallelism. Call it while tracing (it reads the mesh)."""
+  dtype, one chunk and no tensor parallelism. Call it while tracing (it reads the mesh);
+  ``backend`` defaults to ``jax.default_backend()``."""
   if setting == "pallas" and sharding.tensor_parallel():
     raise ValueError("loss_kernel='pallas' needs whole vocabulary rows per device; the mesh "
                      "splits them over its tensor axis (use auto or xla)")
   return setting == "pallas" or (
-      setting == "auto" and chunks == 1 and jax.default_backend() == "gpu"
+      setting == "auto" and chunks == 1 and (backend or jax.default_backend()) == "gpu"
       and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and not sharding.tensor_parallel())
 
 
