@@ -11,8 +11,8 @@ float32 arithmetic,
 so the logit gradient of any per-row cotangent c is ``c_n d_nv``. The kernel reads each row
 twice and writes it once; XLA's form reads it twice in the forward pass (max, sum of exp)
 and once more, with a write, in the backward pass. Blocks of ``BLOCK`` columns, ``NUM_WARPS``
-warps per row: the fastest of the settings compared on an H100 at gpt2-small's shapes
-(``benchmarks/loss_kernel.py``; docs/benchmarks.md).
+warps per row: within 0.1 ms of the fastest setting in each comparison on an H100 at
+gpt2-small's shapes (``benchmarks/loss_kernel.py``; docs/benchmarks.md).
 
 ``interpret=True`` runs the same kernel through the Pallas interpreter (CPU tests).
 """

@@ -117,6 +117,7 @@ def test_kernel_rows_against_float64(dtype):
   z = z.astype(dtype)
   y = np.array([0, 999, 255, 256, 511, 3, 768])
   interpret = jax.default_backend() != "gpu"  # the Pallas interpreter off GPU
+  # z * 1: a buffer of the jitted function's own for the kernel to write d over
   nll, d = jax.jit(lambda z: kernels.xent_rows(z * 1, y, block=256, interpret=interpret))(z)
   want_nll, want_d = _numpy_rows(z, y)
   assert d.dtype == dtype and nll.dtype == jnp.float32
