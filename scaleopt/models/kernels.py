@@ -27,6 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 f32 = jnp.float32
+BLOCK = 8192  # columns per load
+NUM_WARPS = 16
 
 
 def _row(z_ref, d_ref, r, y, block: int):
@@ -67,22 +69,18 @@ def _rows(z_ref, y_ref, nll_ref, d_ref, *, block: int):
   nll_ref[r] = _row(z_ref, d_ref, r, y_ref[r], block)
 
 
-BLOCK = 8192  # columns per load
-NUM_WARPS = 16
-
-
 @functools.partial(jax.jit, static_argnames=("block", "num_warps", "interpret"))
-def xent_rows(z_NxV: jax.Array, y_N: jax.Array, *, block: int | None = None,
-              num_warps: int | None = None, interpret: bool = False
+def xent_rows(z_NxV: jax.Array, y_N: jax.Array, *, block: int = BLOCK,
+              num_warps: int = NUM_WARPS, interpret: bool = False
               ) -> tuple[jax.Array, jax.Array]:
   """(nll ``[N]`` float32, d ``[N, V]`` in z's dtype) as in the module docstring; d takes
-  z's buffer when z is not used afterwards. ``block`` (columns per load) and ``num_warps``
-  default to ``BLOCK`` and ``NUM_WARPS``. One program per row."""
+  z's buffer when z is not used afterwards. One program per row, ``block`` columns per load
+  (at most the row's width rounded up to a power of two)."""
   n, v = z_NxV.shape
   return pl.pallas_call(
-      functools.partial(_rows, block=min(block or BLOCK, pl.next_power_of_2(v))), grid=(n,),
+      functools.partial(_rows, block=min(block, pl.next_power_of_2(v))), grid=(n,),
       out_shape=(jax.ShapeDtypeStruct((n,), f32), jax.ShapeDtypeStruct((n, v), z_NxV.dtype)),
       input_output_aliases={0: 1},
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps or NUM_WARPS),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps),
       interpret=interpret, name="xent_rows",
   )(z_NxV, y_N.astype(jnp.int32))
