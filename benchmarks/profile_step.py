@@ -1,7 +1,7 @@
 """Where the train step's GPU time goes: a profiler trace of a few steps, summed by kernel kind.
 
   PYTHONPATH=. python benchmarks/profile_step.py [--preset gpt2-small --batch 32 --micro 1
-      --unroll 0 --steps 3 --out DIR] [--set KEY=VALUE ...]
+      --unroll 0 --steps 3 --out DIR --top 25 --hlo FILE] [--set KEY=VALUE ...]
 
 ``--set`` takes the training config's dotted overrides, e.g. ``--set optimizer.name=adamw_bc
 --set optimizer.extra.loo_passes=1`` or ``--set optimizer.name=shampoo`` (the step then also
@@ -13,7 +13,10 @@ metrics) for the preset, runs warm-up steps on a fixed batch, then records ``--s
 with ``jax.profiler.trace(create_perfetto_trace=True)`` and sums the device-side kernel
 durations per step by kind: GEMM (cuBLAS), attention (cuDNN), XLA fusions (elementwise and
 reductions), copies / memsets, collectives (NCCL), other. Kernel time can exceed the step time
-only where kernels overlap (several streams).
+only where kernels overlap (several streams). The ``--top`` kernels are listed by time; a fusion's
+row also shows the bytes it reads and writes per call (its operands and outputs in the compiled
+HLO, an upper bound where it reads only part of an operand) and the bandwidth that gives.
+``--hlo FILE`` writes the compiled step's HLO text, to map fusions back to the model's ops.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -67,7 +71,44 @@ def gpu_events(trace: dict) -> list[dict]:
   return [e for e in ev if e["pid"] in dev] if dev else ev
 
 
-def summarize(events: list[dict], steps: int, top: int = 25) -> str:
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+          "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w\-]+)\((.*?)\)(?:, |$)")
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+
+
+def _array_bytes(text: str) -> int:
+  total = 0
+  for dtype, dims in _ARRAY.findall(text):
+    n = 1
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    total += n * _BYTES[dtype]
+  return total
+
+
+def fusion_bytes(hlo_text: str) -> dict[str, int]:
+  """Bytes each fusion of a compiled HLO module reads and writes: its operands' and outputs'
+  sizes (an upper bound where an operand is broadcast or sliced inside the fusion)."""
+  sizes, fusions = {}, {}
+  for line in hlo_text.splitlines():
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    name, shape, op, operands = m.groups()
+    sizes[name] = _array_bytes(shape)
+    if op == "fusion":
+      fusions[name] = (sizes[name], re.findall(r"%([\w.\-]+)", operands))
+  # Kernels are named after their fusion with '.' written as '_'.
+  return {n.replace(".", "_"): out + sum(sizes.get(o, 0) for o in ops)
+          for n, (out, ops) in fusions.items()}
+
+
+def summarize(events: list[dict], steps: int, top: int = 25,
+              nbytes: dict[str, int] | None = None) -> str:
+  """Per-kind and per-kernel times; with ``nbytes`` (fusion name -> bytes) a fusion row also
+  shows its traffic per call and the bandwidth it reached."""
+  nbytes = nbytes or {}
   by_kind, by_name = collections.Counter(), collections.Counter()
   count = collections.Counter()
   for e in events:
@@ -79,9 +120,13 @@ def summarize(events: list[dict], steps: int, top: int = 25) -> str:
   for k, v in by_kind.most_common():
     out.append(f"| {k} | {v / 1e3 / steps:.2f} | {100 * v / max(total, 1):.1f}% |")
   out.append(f"| all kernels | {total / 1e3 / steps:.2f} | 100% |")
-  out += ["", "| kernel | kind | calls per step | ms per step |", "|---|---|---|---|"]
+  out += ["", "| kernel | kind | calls per step | ms per step | MB per call | GB/s |",
+          "|---|---|---|---|---|---|"]
   for n, v in by_name.most_common(top):
-    out.append(f"| {n[:90]} | {kind_of(n)} | {count[n] / steps:.0f} | {v / 1e3 / steps:.2f} |")
+    b = nbytes.get(n)
+    bw = f"{b / 1e6:.0f} | {b * count[n] / (v * 1e-6) / 1e9:.0f}" if b else "- | -"
+    out.append(f"| {n[:90]} | {kind_of(n)} | {count[n] / steps:.0f} | {v / 1e3 / steps:.2f} "
+               f"| {bw} |")
   return "\n".join(out)
 
 
@@ -110,6 +155,8 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", type=int, default=5)
   ap.add_argument("--unfused", action="store_true", help="plain float32-logits loss")
   ap.add_argument("--out", default=None, help="directory for the trace (default: temporary)")
+  ap.add_argument("--top", type=int, default=25, help="kernels listed by time")
+  ap.add_argument("--hlo", default=None, help="write the compiled step's HLO text here")
   ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                   help="training-config override, e.g. optimizer.name=shampoo (repeatable)")
   args = ap.parse_args(argv)
@@ -152,7 +199,11 @@ def main(argv=None) -> int:
     return 1
   with gzip.open(files[-1], "rt") as f:
     trace = json.load(f)
-  print(summarize(gpu_events(trace), args.steps))
+  hlo = step.as_text() or ""
+  if args.hlo:
+    with open(args.hlo, "w") as f:
+      f.write(hlo)
+  print(summarize(gpu_events(trace), args.steps, args.top, fusion_bytes(hlo)))
   return 0
 
 

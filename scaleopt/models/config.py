@@ -31,6 +31,7 @@ DUAL_TARGETS = ("q", "k", "v", "gate", "up")
 REMATS = ("none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 LOSS_KERNELS = ("auto", "pallas", "xla")
+NORM_KERNELS = ("auto", "pallas", "xla")
 DTYPES = ("bfloat16", "float32", "float16")
 FINAL_SCALE_ROLES = ("input", "output")
 
@@ -120,6 +121,9 @@ class ModelConfig:
   # (models/kernels.py) on GPU with a 16-bit dtype, one chunk and no tensor parallelism,
   # else XLA; pallas off GPU runs the Pallas interpreter (tests).
   loss_kernel: str = "auto"
+  # Each residual add with the norm that follows it (models/layers.py add_rms_norm): auto is
+  # one Pallas kernel per direction (models/kernels.py) on GPU with a 16-bit dtype, else XLA.
+  norm_kernel: str = "auto"
 
   # --- derived -------------------------------------------------------------------------
   @property
@@ -175,6 +179,7 @@ class ModelConfig:
     _check_choice("remat", self.remat, REMATS)
     _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
     _check_choice("loss_kernel", self.loss_kernel, LOSS_KERNELS)
+    _check_choice("norm_kernel", self.norm_kernel, NORM_KERNELS)
     if self.loss_kernel == "pallas" and self.loss_chunks != 1:
       raise ValueError(f"ModelConfig.loss_kernel='pallas' needs loss_chunks=1, got "
                        f"{self.loss_chunks}")

@@ -20,6 +20,7 @@ norms, DNP scales that feed attention logits or SiLU; not foldable), ``kernel``,
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from scaleopt.models import sharding
+from scaleopt.models import kernels, sharding
 from scaleopt.models.config import ModelConfig
 
 f32 = jnp.float32
@@ -44,6 +45,46 @@ def rms_norm(x: jax.Array, eps: float, scale: jax.Array | None = None) -> jax.Ar
   if scale is not None:
     y = y * scale.astype(f32)
   return y.astype(x.dtype)
+
+
+def add_rms_norm(x: jax.Array, h: jax.Array, eps: float,
+                 kernel: bool = False) -> tuple[jax.Array, jax.Array]:
+  """``(s, rms_norm(s))`` with ``s = x + h`` in x's dtype: the residual add and the norm of the
+  next branch's input. ``kernel``: one Pallas pass over the rows forward and one backward
+  (:func:`scaleopt.models.kernels.add_rms_norm_fwd`; the interpreter off GPU), per device on
+  its rows under a mesh; otherwise XLA's ops."""
+  h = h.astype(x.dtype)
+  if not kernel:
+    s = x + h
+    return s, rms_norm(s, eps)
+  return _add_norm(x, h, eps)
+
+
+def _interpret() -> bool:
+  return jax.default_backend() != "gpu"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _add_norm(x, h, eps):
+  return _add_norm_fwd(x, h, eps)[0]
+
+
+def _add_norm_fwd(x, h, eps):
+  fwd = functools.partial(kernels.add_rms_norm_fwd, eps=eps, interpret=_interpret())
+  s, n, r = sharding.on_rows(fwd, x, h)
+  return (s, n), (s, r)
+
+
+def _add_norm_bwd(eps, res, g):
+  del eps
+  s, r = res
+  gs, gn = g
+  bwd = functools.partial(kernels.add_rms_norm_bwd, interpret=_interpret())
+  gx = sharding.on_rows(bwd, gs, gn, s, r)
+  return gx, gx
+
+
+_add_norm.defvjp(_add_norm_fwd, _add_norm_bwd)
 
 
 def scale_value(params: dict, reparam: str) -> jax.Array:

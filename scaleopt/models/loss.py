@@ -35,7 +35,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from scaleopt.models import kernels, sharding
 
@@ -60,19 +59,8 @@ def _dlogits(z: jax.Array, lse: jax.Array, y: jax.Array, c: jax.Array) -> jax.Ar
 def _kernel_rows(z: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(nll ``[B, T]``, d ``[B, T, V]``) of logits z ``[B, T, V]`` by the Pallas kernel, per
   device on its rows under a mesh."""
-
-  def local(z, y):
-    b, t, v = z.shape
-    nll, d = kernels.xent_rows(z.reshape(b * t, v), y.reshape(b * t),
-                               interpret=jax.default_backend() != "gpu")
-    return nll.reshape(b, t), d.reshape(b, t, v)
-
-  mesh = sharding.current_mesh()
-  if mesh is None:
-    return local(z, y)
-  spec = sharding.mesh_spec(mesh, ("batch", None, None), z.shape)
-  return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(*spec[:2])),
-                       out_specs=(P(*spec[:2]), spec), check_vma=False)(z, y)
+  return sharding.on_rows(functools.partial(
+      kernels.xent_rows, interpret=jax.default_backend() != "gpu"), z, y)
 
 
 def _logits(h: jax.Array, w: jax.Array) -> jax.Array:
@@ -146,9 +134,8 @@ def use_kernel(setting: str, dtype: jnp.dtype, chunks: int = 1,
   if setting == "pallas" and sharding.tensor_parallel():
     raise ValueError("loss_kernel='pallas' needs whole vocabulary rows per device; the mesh "
                      "splits them over its tensor axis (use auto or xla)")
-  return setting == "pallas" or (
-      setting == "auto" and chunks == 1 and (backend or jax.default_backend()) == "gpu"
-      and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and not sharding.tensor_parallel())
+  return setting == "pallas" or (setting == "auto" and chunks == 1 and
+                                 kernels.auto(dtype, backend) and not sharding.tensor_parallel())
 
 
 def head_nll(h_BxTxD: jax.Array, w_DxV: jax.Array, targets_BxT: jax.Array,

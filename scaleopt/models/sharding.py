@@ -137,6 +137,29 @@ def _gather_bwd(stored, used, _, ct):
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
+def on_rows(fn, *arrays: jax.Array):
+  """``fn`` over row views of arrays whose leading axes are the first array's all but last
+  (``[B, T, D]`` and ``[B, T]`` -> ``[B T, D]`` and ``[B T]``), its outputs reshaped back;
+  under :func:`constraints` per device on its own rows (``shard_map`` over the batch axes of
+  the first axis, the other axes whole on each device). For row-wise kernels."""
+  lead = arrays[0].shape[:-1]
+
+  def local(*xs):
+    k = len(lead)
+    rows = xs[0].shape[:k]
+    out = fn(*(x.reshape(-1, *x.shape[k:]) for x in xs))
+    return jax.tree.map(lambda y: y.reshape(*rows, *y.shape[1:]), out)
+
+  mesh = _MESH.get()
+  if mesh is None:
+    return local(*arrays)
+  batch = mesh_spec(mesh, ("batch",), lead[:1])[0]
+  spec = lambda x: P(batch, *(None,) * (x.ndim - 1))
+  outs = jax.eval_shape(local, *arrays)
+  return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec(x) for x in arrays),
+                       out_specs=jax.tree.map(spec, outs), check_vma=False)(*arrays)
+
+
 def tensor_parallel() -> bool:
   """True inside :func:`constraints` on a mesh whose ``tensor`` axis has size > 1."""
   mesh = _MESH.get()

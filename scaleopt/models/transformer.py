@@ -5,6 +5,11 @@
   x_{l+1} = x' + MLP(Norm(x'))          (MLP: SwiGLU, or top-k MoE every ``moe_every`` layers)
   logits  = Norm(x_L) diag(gamma_final) W_U,   W_U = E^T when tied
 
+Each residual add is computed together with the norm of the next branch's input
+(:func:`scaleopt.models.layers.add_rms_norm`; one Pallas pass on GPU, ``cfg.norm_kernel``), so
+a block maps ``(x, Norm(x))`` to ``(x_{l+1}, Norm(x_{l+1}))`` and the last block's norm is the
+final one.
+
 Layers are grouped into units of ``cfg.period`` blocks (``period - 1`` dense + 1 MoE block for
 MoE models, one dense block otherwise), their parameters stacked on a leading axis of size
 ``n_layers / period`` (``nnx.vmap`` at init) and applied with ``jax.lax.scan``, so compile time
@@ -23,8 +28,9 @@ from flax import nnx
 from scaleopt.models import sharding
 from scaleopt.models.config import ModelConfig
 from scaleopt.models.loss import head_loss, use_kernel
-from scaleopt.models.layers import (Attention, GatedMLP, Linear, Scale, effective_kernel,
-                                    get_scale, rms_norm, rope_tables)
+from scaleopt.models import kernels
+from scaleopt.models.layers import (Attention, GatedMLP, Linear, Scale, add_rms_norm,
+                                    effective_kernel, get_scale, rms_norm, rope_tables)
 from scaleopt.models.moe import MoE
 
 f32 = jnp.float32
@@ -47,19 +53,21 @@ class Block(nnx.Module):
     self.cfg = cfg
     self.moe = moe
 
-  def __call__(self, x, sin, cos):
+  def __call__(self, x, n, sin, cos, kernel: bool):
+    """``(x, Norm(x)) -> (x', Norm(x'), aux)``; ``kernel``: the adds + norms in Pallas."""
     eps = self.cfg.norm_eps
-    h = self.attn(rms_norm(x, eps), sin, cos)
+    h = self.attn(n, sin, cos)
     if self.cfg.post_norm:
       h = rms_norm(h, eps, get_scale(self, "out_scale_post_attn"))
-    x = x + h
+    x, n = add_rms_norm(x, h, eps, kernel)
     if self.moe:
-      h, aux = self.mlp(rms_norm(x, eps))
+      h, aux = self.mlp(n)
     else:
-      h, aux = self.mlp(rms_norm(x, eps)), _zeros_aux()
+      h, aux = self.mlp(n), _zeros_aux()
     if self.cfg.post_norm:
       h = rms_norm(h, eps, get_scale(self, "out_scale_post_mlp"))
-    return x + h, aux
+    x, n = add_rms_norm(x, h, eps, kernel)
+    return x, n, aux
 
 
 class Unit(nnx.Module):
@@ -70,12 +78,12 @@ class Unit(nnx.Module):
       setattr(self, f"b{i}", Block(cfg, rngs, moe=cfg.is_moe and i == cfg.period - 1))
     self.period = cfg.period
 
-  def __call__(self, x, sin, cos):
+  def __call__(self, x, n, sin, cos, kernel: bool):
     aux = _zeros_aux()
     for i in range(self.period):
-      x, a = getattr(self, f"b{i}")(x, sin, cos)
+      x, n, a = getattr(self, f"b{i}")(x, n, sin, cos, kernel)
       aux = jax.tree.map(jnp.add, aux, a)
-    return x, aux
+    return x, n, aux
 
 
 class Embed(nnx.Module):
@@ -152,14 +160,17 @@ class Transformer(nnx.Module):
     sin, cos = rope_tables(tokens_BxT.shape[1], cfg.d_head, cfg.rope_theta)
 
     graphdef, state = nnx.split(self.blocks)
+    kernel = use_norm_kernel(cfg.norm_kernel, dt)
 
-    def body(x, unit_state):
-      x, aux = nnx.merge(graphdef, unit_state)(sharding.constrain(x, act), sin, cos)
-      return sharding.constrain(x, act), aux
+    def body(carry, unit_state):
+      x, n = (sharding.constrain(a, act) for a in carry)
+      x, n, aux = nnx.merge(graphdef, unit_state)(x, n, sin, cos, kernel)
+      return (sharding.constrain(x, act), sharding.constrain(n, act)), aux
 
     if cfg.remat != "none":
       body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    x, aux = jax.lax.scan(body, x, state, unroll=cfg.scan_unroll or True)  # 0: all units
+    (_, n), aux = jax.lax.scan(body, (x, rms_norm(x, cfg.norm_eps)), state,
+                               unroll=cfg.scan_unroll or True)  # 0: all units
 
     gamma = None
     name = final_scale_name(cfg)
@@ -167,7 +178,13 @@ class Transformer(nnx.Module):
       gamma = get_scale(self, name)
     w_DxV = emb.T if cfg.tie_embeddings else self.head.kernel[...]
     w_DxV = sharding.use_kernel(effective_kernel(w_DxV, gamma).astype(dt), ("fsdp", "tensor"))
-    return rms_norm(x, cfg.norm_eps), w_DxV, _reduce_aux(cfg, aux)
+    return n, w_DxV, _reduce_aux(cfg, aux)
+
+
+def use_norm_kernel(setting: str, dtype: jnp.dtype, backend: str | None = None) -> bool:
+  """Whether the residual adds + norms run as Pallas kernels for the setting ``auto | pallas
+  | xla`` (``ModelConfig.norm_kernel``): ``auto`` on GPU with a 16-bit dtype."""
+  return setting == "pallas" or (setting == "auto" and kernels.auto(dtype, backend))
 
 
 def _reduce_aux(cfg: ModelConfig, aux: dict[str, jax.Array]) -> dict[str, jax.Array]:
