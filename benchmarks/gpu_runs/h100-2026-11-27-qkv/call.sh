@@ -2,6 +2,8 @@ set -o pipefail
 # (1) A Pallas Triton matmul against cuBLAS at the MLP shapes, and with the SwiGLU in its
 # epilogue; (2) the training system with v from its own matmul (+mfuse_qkv=false) against the
 # default (3 passes, row order reversed in pass 2).
+# (Part 1 gave no result: its kernels called pl.dot, which jax 0.11 no longer has; the script
+# was then removed.)
 export JAX_COMPILATION_CACHE_DIR=$PWD/.jaxcache
 echo "code: c1b6855 + add_rms_norm kernels + fuse_qkv (device copy of the working tree)" > $OUT/commit.txt
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.txt
