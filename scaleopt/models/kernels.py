@@ -39,7 +39,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+try:  # JAX marks the Pallas Triton backend deprecated; without it, ``auto`` picks XLA's forms
+  from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover - depends on the installed JAX
+  plgpu = None
 
 f32 = jnp.float32
 BLOCK = 8192  # columns per load
@@ -51,8 +55,16 @@ NORM_WARPS = 4
 def auto(dtype: jnp.dtype, backend: str | None = None) -> bool:
   """Whether a kernel setting ``auto`` picks the Pallas kernels: on GPU, for 16-bit compute
   dtypes (``backend`` defaults to ``jax.default_backend()``)."""
-  return ((backend or jax.default_backend()) == "gpu"
+  return (plgpu is not None and (backend or jax.default_backend()) == "gpu"
           and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
+
+
+def _params(num_warps: int):
+  if plgpu is None:
+    raise RuntimeError("this JAX has no Pallas Triton backend "
+                       "(jax.experimental.pallas.triton); set model.loss_kernel and "
+                       "model.norm_kernel to xla or auto")
+  return plgpu.CompilerParams(num_warps=num_warps)
 
 
 def _row(z_ref, d_ref, r, y, block: int):
@@ -105,7 +117,7 @@ def xent_rows(z_NxV: jax.Array, y_N: jax.Array, *, block: int = BLOCK,
       functools.partial(_rows, block=min(block, pl.next_power_of_2(v))), grid=(n,),
       out_shape=(jax.ShapeDtypeStruct((n,), f32), jax.ShapeDtypeStruct((n, v), z_NxV.dtype)),
       input_output_aliases={0: 1},
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps),
+      compiler_params=_params(num_warps),
       interpret=interpret, name="xent_rows",
   )(z_NxV, y_N.astype(jnp.int32))
 
@@ -146,7 +158,7 @@ def _row_call(kernel, n: int, d: int, out_shape, rows: int, num_warps: int, inte
   return pl.pallas_call(
       functools.partial(kernel, rows=rows, block=pl.next_power_of_2(d), **kw),
       grid=(pl.cdiv(n, rows),), out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps),
+      compiler_params=_params(num_warps),
       interpret=interpret, name=name)
 
 

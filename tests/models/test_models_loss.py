@@ -130,7 +130,7 @@ def test_kernel_rows_against_float64(dtype):
 
 
 def test_use_kernel_settings():
-  assert not loss.use_kernel("auto", jnp.bfloat16)  # CPU: XLA's form
+  assert not loss.use_kernel("auto", jnp.bfloat16, backend="cpu")  # CPU: XLA's form
   assert loss.use_kernel("auto", jnp.bfloat16, backend="gpu")
   assert not loss.use_kernel("auto", jnp.float32, backend="gpu")  # 16-bit dtypes only
   assert not loss.use_kernel("auto", jnp.bfloat16, chunks=2, backend="gpu")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from scaleopt import models
-from scaleopt.models import kernels, layers, transformer
+from scaleopt.models import kernels, layers, loss, transformer
 
 from models_testlib import tiny, tiny_moe, tokens
 
@@ -119,7 +119,8 @@ def test_model_loss_and_gradients_with_kernel(cfg):
 
 
 def test_use_norm_kernel_settings():
-  assert not transformer.use_norm_kernel("auto", jnp.bfloat16)  # CPU: XLA's ops
+  assert not transformer.use_norm_kernel("auto", jnp.bfloat16, backend="cpu")  # XLA's ops
+  assert not transformer.use_norm_kernel("auto", jnp.bfloat16, backend="tpu")
   assert transformer.use_norm_kernel("auto", jnp.bfloat16, backend="gpu")
   assert transformer.use_norm_kernel("auto", jnp.float16, backend="gpu")
   assert not transformer.use_norm_kernel("auto", jnp.float32, backend="gpu")
@@ -127,6 +128,15 @@ def test_use_norm_kernel_settings():
   assert not transformer.use_norm_kernel("xla", jnp.bfloat16, backend="gpu")
   with pytest.raises(ValueError, match="norm_kernel"):
     models.ModelConfig(norm_kernel="triton")
+
+
+def test_without_the_triton_backend_auto_is_xla(monkeypatch):
+  monkeypatch.setattr(kernels, "plgpu", None)  # a JAX without jax.experimental.pallas.triton
+  assert not transformer.use_norm_kernel("auto", jnp.bfloat16, backend="gpu")
+  assert not loss.use_kernel("auto", jnp.bfloat16, backend="gpu")
+  x = jnp.ones((4, 8), jnp.bfloat16)
+  with pytest.raises(RuntimeError, match="norm_kernel to xla or auto"):
+    kernels.add_rms_norm_fwd(x, x, eps=EPS, interpret=True)
 
 
 MESH_SCRIPT = r"""
