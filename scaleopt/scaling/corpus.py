@@ -132,21 +132,14 @@ def model_activations(params: ByteMLP, data: np.ndarray, n: int = 8192, context:
 
 
 def lm_hidden_states(cfg, params, tokens_BxT: jax.Array) -> jax.Array:
-  """Norm(x_L) of a `scaleopt.models` Transformer (B, T, d_model), float32.
-
-  The same trunk as `Transformer.__call__` (embedding, scanned blocks, final RMS norm); the
-  logits are these states times the (scale-folded) unembedding, which the tests check.
+  """Norm(x_L) of a `scaleopt.models` Transformer (B, T, d_model), float32: the trunk of
+  `Transformer.__call__` (`Transformer.features`); the logits are these states times the
+  (scale-folded) unembedding, which the tests check.
   """
-  from scaleopt.models.layers import rms_norm, rope_tables
   from scaleopt.models.transformer import Transformer
 
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-  model = nnx.merge(graphdef, params)
-  x = jnp.take(model.embed.embedding[...], tokens_BxT, axis=0).astype(jnp.dtype(cfg.dtype))
-  sin, cos = rope_tables(tokens_BxT.shape[1], cfg.d_head, cfg.rope_theta)
-  blocks_def, blocks = nnx.split(model.blocks)
-  x, _ = jax.lax.scan(lambda h, st: (nnx.merge(blocks_def, st)(h, sin, cos)[0], None), x, blocks)
-  return rms_norm(x, cfg.norm_eps).astype(jnp.float32)
+  return nnx.merge(graphdef, params).features(tokens_BxT)[0].astype(jnp.float32)
 
 
 def train_tiny_lm(steps: int = 150, batch: int = 16, seq_len: int = 64, lr: float = 3e-3,
