@@ -25,10 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from scaleopt.models import sharding
+from scaleopt.models import kernels, sharding
 from scaleopt.models.config import ModelConfig
 from scaleopt.models.loss import head_loss, use_kernel
-from scaleopt.models import kernels
 from scaleopt.models.layers import (Attention, GatedMLP, Linear, Scale, add_rms_norm,
                                     effective_kernel, get_scale, rms_norm, rope_tables)
 from scaleopt.models.moe import MoE
