@@ -22,27 +22,21 @@ coordinate of d. Baseline in the same run: ``xla``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from scaleopt.models import kernels, loss
+sys.path.insert(0, os.path.dirname(__file__))
+from loss_lse import time_ms  # noqa: E402  (the benchmarks' timer)
+
+from scaleopt.models import kernels, loss  # noqa: E402
 
 f32 = jnp.float32
 CONFIGS = ((8192, 16), (4096, 8), (8192, 8), (4096, 16), (8192, 32))  # (columns per load, warps)
-
-
-def _time(fn, *args, reps):
-  jax.block_until_ready(fn(*args))
-  t = time.perf_counter()
-  for _ in range(reps):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - t) / reps * 1e3
 
 
 def _xla_rows(z, y):
@@ -76,7 +70,7 @@ def run(n, v, d, reps, interpret, configs):
                                                       interpret=interpret))))
   out = []
   for name, fn in rows:
-    ms = _time(fn, h, w, y, reps=reps)
+    ms = time_ms(fn, h, w, y, reps=reps)
     err = "" if name == "matmul" else "%.1e / %.1e" % _errors(*fn(h, w, y), z, y)
     out.append([name, ms, err])
     print(f"  {name}: {ms:.3f} ms", flush=True)
@@ -88,7 +82,7 @@ def run(n, v, d, reps, interpret, configs):
   for name, kern in (("xla", False), ("pallas", True)):
     g = jax.jit(jax.grad(lambda h, w, k=kern: loss.head_loss(h, w, y3, kernel=k),
                          argnums=(0, 1)))
-    table.append(f"| head + loss fwd+bwd, {name} | {_time(g, h3, w, reps=reps):.3f} | | |")
+    table.append(f"| head + loss fwd+bwd, {name} | {time_ms(g, h3, w, reps=reps):.3f} | | |")
   return table
 
 

@@ -58,7 +58,8 @@ def chunked(k):
   return lse
 
 
-def _time(fn, *args, reps):
+def time_ms(fn, *args, reps):
+  """Milliseconds per call of ``fn(*args)`` over ``reps`` calls after one warm-up call."""
   out = fn(*args)
   jax.block_until_ready(out)
   t = time.perf_counter()
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
   orig = loss._lse_nll
   for name, fn in variants.items():
     err = float(np.abs(np.asarray(jax.jit(fn)(z[:64]), np.float64) - ref).max())
-    ms = _time(jax.jit(fn), z, reps=a.reps)
+    ms = time_ms(jax.jit(fn), z, reps=a.reps)
 
     def lse_nll(zz, yy, fn=fn):
       lse = fn(zz)
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
       return lse, lse - zy
     loss._lse_nll = lse_nll
     g = jax.jit(jax.grad(lambda h, w: loss.head_loss(h, w, y), argnums=(0, 1)))
-    ms_all = _time(g, h, w, reps=a.reps)
+    ms_all = time_ms(g, h, w, reps=a.reps)
     loss._lse_nll = orig
     out.append(f"| {name} | {ms:.3f} | {ms_all:.3f} | {err:.2e} |")
     print(out[-1], flush=True)

@@ -21,26 +21,20 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scaleopt.models import kernels, layers
+sys.path.insert(0, os.path.dirname(__file__))
+from loss_lse import time_ms  # noqa: E402  (the benchmarks' timer)
+
+from scaleopt.models import kernels, layers  # noqa: E402
 
 f32 = jnp.float32
 CONFIGS = ((4, 4), (1, 1), (1, 2), (2, 2), (4, 8), (8, 4), (8, 8), (16, 8))  # (rows, warps)
-
-
-def _time(fn, *args, reps):
-  jax.block_until_ready(fn(*args))
-  t = time.perf_counter()
-  for _ in range(reps):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - t) / reps * 1e3
 
 
 def _reference(x, h, gs, gn, eps):
@@ -54,9 +48,9 @@ def _reference(x, h, gs, gn, eps):
 def _fns(kernel, eps, rows=kernels.ROWS, warps=kernels.NORM_WARPS):
   if kernel:
     fwd_k = functools.partial(kernels.add_rms_norm_fwd, eps=eps, rows=rows, num_warps=warps,
-                              interpret=jax.default_backend() != "gpu")
+                              interpret=kernels.interpret())
     bwd_k = functools.partial(kernels.add_rms_norm_bwd, rows=rows, num_warps=warps,
-                              interpret=jax.default_backend() != "gpu")
+                              interpret=kernels.interpret())
     fwd = jax.jit(lambda x, h: fwd_k(x, h)[:2])
 
     def both(x, h, gs, gn):
@@ -83,7 +77,7 @@ def run(n, d, reps, gbps, configs, eps=1e-5):
            "|---|---|---|---|"]
   for name, kernel, cfg in rows:
     fwd, both = _fns(kernel, eps, *(cfg or ()))
-    t_f, t_b = _time(fwd, x, h, reps=reps), _time(both, x, h, gs, gn, reps=reps)
+    t_f, t_b = time_ms(fwd, x, h, reps=reps), time_ms(both, x, h, gs, gn, reps=reps)
     out_n, out_g = both(x, h, gs, gn)
     e_n = np.abs(np.asarray(out_n[:64], np.float64) - ref_n).max()
     e_g = np.abs(np.asarray(out_g[:64], np.float64) - ref_g).max()

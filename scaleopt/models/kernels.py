@@ -59,6 +59,11 @@ def auto(dtype: jnp.dtype, backend: str | None = None) -> bool:
           and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
 
 
+def interpret() -> bool:
+  """Whether the kernels run through the Pallas interpreter: everywhere but on GPU."""
+  return jax.default_backend() != "gpu"
+
+
 def _params(num_warps: int):
   if plgpu is None:
     raise RuntimeError("this JAX has no Pallas Triton backend "

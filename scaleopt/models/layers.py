@@ -60,17 +60,13 @@ def add_rms_norm(x: jax.Array, h: jax.Array, eps: float,
   return _add_norm(x, h, eps)
 
 
-def _interpret() -> bool:
-  return jax.default_backend() != "gpu"
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _add_norm(x, h, eps):
   return _add_norm_fwd(x, h, eps)[0]
 
 
 def _add_norm_fwd(x, h, eps):
-  fwd = functools.partial(kernels.add_rms_norm_fwd, eps=eps, interpret=_interpret())
+  fwd = functools.partial(kernels.add_rms_norm_fwd, eps=eps, interpret=kernels.interpret())
   s, n, r = sharding.on_rows(fwd, x, h)
   return (s, n), (s, r)
 
@@ -79,7 +75,7 @@ def _add_norm_bwd(eps, res, g):
   del eps
   s, r = res
   gs, gn = g
-  bwd = functools.partial(kernels.add_rms_norm_bwd, interpret=_interpret())
+  bwd = functools.partial(kernels.add_rms_norm_bwd, interpret=kernels.interpret())
   gx = sharding.on_rows(bwd, gs, gn, s, r)
   return gx, gx
 

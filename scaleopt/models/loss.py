@@ -60,7 +60,7 @@ def _kernel_rows(z: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(nll ``[B, T]``, d ``[B, T, V]``) of logits z ``[B, T, V]`` by the Pallas kernel, per
   device on its rows under a mesh."""
   return sharding.on_rows(functools.partial(
-      kernels.xent_rows, interpret=jax.default_backend() != "gpu"), z, y)
+      kernels.xent_rows, interpret=kernels.interpret()), z, y)
 
 
 def _logits(h: jax.Array, w: jax.Array) -> jax.Array:
