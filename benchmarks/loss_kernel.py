@@ -9,8 +9,8 @@ training):
 
 * ``xla``: lse and nll (two reductions over z), then d = softmax - onehot (one pass that
   writes d): what ``model.loss_kernel: xla`` computes, forward and backward together;
-* ``pallas bB wW``: :func:`scaleopt.models.kernels.xent_rows` with blocks of B columns and W
-  warps (the default is marked);
+* ``pallas bB lL wW``: :func:`scaleopt.models.kernels.xent_rows` with blocks of B columns as
+  L lanes and W warps (the default is marked; one lane: a block-wide max and sum per load);
 * ``matmul``: z alone (its time is in every row);
 * ``head + loss fwd+bwd``: ``jax.grad`` of ``loss.head_loss`` in h and W, XLA against the
   kernel (the training step's whole head and loss).
@@ -36,7 +36,9 @@ from loss_lse import time_ms  # noqa: E402  (the benchmarks' timer)
 from scaleopt.models import kernels, loss  # noqa: E402
 
 f32 = jnp.float32
-CONFIGS = ((8192, 16), (4096, 8), (8192, 8), (4096, 16), (8192, 32))  # (columns per load, warps)
+# (columns per load, lanes, warps); one lane: a block-wide max and sum per load
+CONFIGS = ((2048, 16, 8), (2048, 16, 4), (1024, 8, 4), (4096, 32, 8), (8192, 64, 16),
+           (8192, 1, 16))
 
 
 def _xla_rows(z, y):
@@ -62,12 +64,13 @@ def run(n, v, d, reps, interpret, configs):
   z = h @ w
   rows = [("matmul", jax.jit(lambda h, w, y: h @ w))]
   rows.append(("xla", jax.jit(lambda h, w, y: _xla_rows(h @ w, y))))
-  for b, nw in dict.fromkeys((min(b, pl.next_power_of_2(v)), nw) for b, nw in configs):
-    mark = " (default)" if (b, nw) == (min(kernels.BLOCK, pl.next_power_of_2(v)),
-                                          kernels.NUM_WARPS) else ""
-    rows.append((f"pallas b{b} w{nw}{mark}", jax.jit(
-        lambda h, w, y, b=b, nw=nw: kernels.xent_rows(h @ w, y, block=b, num_warps=nw,
-                                                      interpret=interpret))))
+  default = (min(kernels.BLOCK, pl.next_power_of_2(v)), kernels.LANES, kernels.NUM_WARPS)
+  for b, ln, nw in dict.fromkeys((min(b, pl.next_power_of_2(v)), ln, nw)
+                                 for b, ln, nw in configs):
+    mark = " (default)" if (b, ln, nw) == default else ""
+    rows.append((f"pallas b{b} l{ln} w{nw}{mark}", jax.jit(
+        lambda h, w, y, b=b, ln=ln, nw=nw: kernels.xent_rows(
+            h @ w, y, block=b, lanes=ln, num_warps=nw, interpret=interpret))))
   out = []
   for name, fn in rows:
     ms = time_ms(fn, h, w, y, reps=reps)
@@ -96,7 +99,8 @@ def main(argv=None) -> int:
   a = ap.parse_args(argv)
   configs = list(CONFIGS)
   if a.quick:
-    a.tokens, a.vocab, a.d, a.reps, configs = "64", 1000, 32, 2, [(256, 4), (1024, 8)]
+    a.tokens, a.vocab, a.d, a.reps = "64", 1000, 32, 2
+    configs = [(256, 16, 4), (1024, 8, 8), (1024, 1, 8)]
   dev = jax.devices()[0]
   interpret = dev.platform != "gpu"
   print(f"# {dev.device_kind} ({dev.platform}), jax {jax.__version__}, V={a.vocab} d={a.d}, "

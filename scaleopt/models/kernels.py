@@ -4,16 +4,19 @@ add with the RMS norm that follows it.
 **Cross-entropy rows.** For bf16 logits z ``[N, V]`` and targets y ``[N]``, one program per
 row n computes, in float32 arithmetic,
 
-  lse_n  = m_n + log sum_v exp(z_nv - m_n)       (an online max and rescaled sum over blocks
-                                                  of the row: one exp per element)
-  nll_n  = lse_n - z_{n, y_n}
+  lse_n  = m_n + log sum_v exp(z_nv - m_n)       (an online max and rescaled sum: one exp
+                                                  per element)
+  nll_n  = lse_n - z_{n, y_n}                     (the target's logit: one scalar load)
   d_nv   = exp(z_nv - lse_n) - [v = y_n]          (stored in z's dtype, in z's buffer)
 
 so the logit gradient of any per-row cotangent c is ``c_n d_nv``. The kernel reads each row
 twice and writes it once; XLA's form reads it twice in the forward pass (max, sum of exp)
-and once more, with a write, in the backward pass. Blocks of ``BLOCK`` columns, ``NUM_WARPS``
-warps per row: within 0.1 ms of the fastest setting in each comparison on an H100 at
-gpt2-small's shapes (``benchmarks/loss_kernel.py``; docs/benchmarks.md).
+and once more, with a write, in the backward pass. The row is read in blocks of ``BLOCK``
+columns, each viewed as ``LANES`` lanes of ``BLOCK / LANES`` columns; every lane keeps its own
+running max and rescaled sum (reductions within the lane, no block-wide reduction per load),
+and the lanes are combined once per row. ``NUM_WARPS`` warps per row. These settings were the
+fastest measured on an H200 at gpt2-small's shapes (``benchmarks/loss_kernel.py``;
+docs/benchmarks.md).
 
 **Residual add + RMS norm.** For the residual stream x and a branch output h (``[N, D]``),
 
@@ -46,8 +49,9 @@ except ImportError:  # pragma: no cover - depends on the installed JAX
   plgpu = None
 
 f32 = jnp.float32
-BLOCK = 8192  # columns per load
-NUM_WARPS = 16
+BLOCK = 2048  # columns per load
+LANES = 16  # lanes per block, each with its own running max and sum
+NUM_WARPS = 8
 ROWS = 4  # rows per program of the add + norm kernels
 NORM_WARPS = 4
 
@@ -72,29 +76,36 @@ def _params(num_warps: int):
   return plgpu.CompilerParams(num_warps=num_warps)
 
 
-def _row(z_ref, d_ref, r, y, block: int):
+def _row(z_ref, d_ref, r, y, block: int, lanes: int):
   """Row r of z (target y): writes row r of d, returns nll."""
   v = z_ref.shape[1]
   n_blocks = pl.cdiv(v, block)
 
-  def cols(i):
-    idx = i * block + jnp.arange(block)
-    return idx, idx < v
-
-  def stats(i, carry):
-    m, s, zy = carry
-    idx, ok = cols(i)
-    x = plgpu.load(z_ref.at[r, idx], mask=ok, other=-jnp.inf,
+  def stats(i, carry):  # per lane: running max m and sum s of exp(z - m)
+    m, s = carry
+    idx = i * block + jnp.arange(block).reshape(lanes, block // lanes)
+    x = plgpu.load(z_ref.at[r, idx], mask=idx < v, other=-jnp.inf,
                    eviction_policy="evict_last").astype(f32)
-    m_new = jnp.maximum(m, jnp.max(x))
-    s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new))
-    return m_new, s, zy + jnp.sum(jnp.where(idx == y, x, 0.0))
+    m_new = jnp.maximum(m, jnp.max(x, axis=1))
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a lane with only padding so far
+    s = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift[:, None]), axis=1)
+    return m_new, s
 
-  m, s, zy = jax.lax.fori_loop(0, n_blocks, stats, (f32(-jnp.inf), f32(0.0), f32(0.0)))
-  lse = m + jnp.log(s)
+  m, s = jax.lax.fori_loop(0, n_blocks, stats, (jnp.full((lanes,), -jnp.inf, f32),
+                                                jnp.zeros((lanes,), f32)))
+  top = jnp.max(m)
+  lse = top + jnp.log(jnp.sum(s * jnp.exp(m - top)))
+  # The target's logit, read before d overwrites the row. z and d share a buffer that the
+  # compiler does not know of, and it may move a load to just before its first use: the
+  # stores below use lse through z_y (z_y + nll is lse up to rounding), so the load
+  # cannot move past them.
+  z_y = z_ref[r, y].astype(f32)
+  nll = lse - z_y
+  lse = z_y + nll
 
   def grad(i, carry):
-    idx, ok = cols(i)
+    idx = i * block + jnp.arange(block)
+    ok = idx < v
     x = plgpu.load(z_ref.at[r, idx], mask=ok, other=0.0,
                    eviction_policy="evict_first").astype(f32)
     d = jnp.exp(x - lse) - (idx == y).astype(f32)
@@ -102,24 +113,25 @@ def _row(z_ref, d_ref, r, y, block: int):
     return carry
 
   jax.lax.fori_loop(0, n_blocks, grad, 0)
-  return lse - zy
+  return nll
 
 
-def _rows(z_ref, y_ref, nll_ref, d_ref, *, block: int):
+def _rows(z_ref, y_ref, nll_ref, d_ref, *, block: int, lanes: int):
   r = pl.program_id(0)
-  nll_ref[r] = _row(z_ref, d_ref, r, y_ref[r], block)
+  nll_ref[r] = _row(z_ref, d_ref, r, y_ref[r], block, lanes)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "num_warps", "interpret"))
-def xent_rows(z_NxV: jax.Array, y_N: jax.Array, *, block: int = BLOCK,
+@functools.partial(jax.jit, static_argnames=("block", "lanes", "num_warps", "interpret"))
+def xent_rows(z_NxV: jax.Array, y_N: jax.Array, *, block: int = BLOCK, lanes: int = LANES,
               num_warps: int = NUM_WARPS, interpret: bool = False
               ) -> tuple[jax.Array, jax.Array]:
   """(nll ``[N]`` float32, d ``[N, V]`` in z's dtype) as in the module docstring; d takes
   z's buffer when z is not used afterwards. One program per row, ``block`` columns per load
-  (at most the row's width rounded up to a power of two)."""
+  (at most the row's width rounded up to a power of two) as ``lanes`` lanes."""
   n, v = z_NxV.shape
+  block = min(block, pl.next_power_of_2(v))
   return pl.pallas_call(
-      functools.partial(_rows, block=min(block, pl.next_power_of_2(v))), grid=(n,),
+      functools.partial(_rows, block=block, lanes=min(lanes, block)), grid=(n,),
       out_shape=(jax.ShapeDtypeStruct((n,), f32), jax.ShapeDtypeStruct((n, v), z_NxV.dtype)),
       input_output_aliases={0: 1},
       compiler_params=_params(num_warps),

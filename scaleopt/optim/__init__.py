@@ -19,7 +19,8 @@ from scaleopt.optim.sophia_lib import (ScaleBySophiaState, SophiaCurvature, scal
 from scaleopt.optim.shampoo_lib import (ScaleByShampooState, ShampooPrecond, in_host_memory,
                                         scale_by_shampoo, shampoo, shampoo_bc)
 from scaleopt.optim.schedules import ScheduleConfig, make_schedule
-from scaleopt.optim.build import OptimizerConfig, build, muon, names, register_optimizer
+from scaleopt.optim.build import (OptimizerConfig, build, finite_updates, muon, names,
+                                  register_optimizer)
 
 __all__ = [
     "BCStats", "CollectorSpec", "GroupStats", "LOOStats", "MicrobatchAxis", "Static",
@@ -30,6 +31,7 @@ __all__ = [
     "ScaleBySophiaState", "SophiaCurvature", "scale_by_sophia", "sophia", "sophia_bc",
     "ScaleByShampooState", "ShampooPrecond", "in_host_memory", "scale_by_shampoo", "shampoo",
     "shampoo_bc",
-    "ScheduleConfig", "make_schedule", "OptimizerConfig", "build", "muon", "names",
+    "ScheduleConfig", "make_schedule", "OptimizerConfig", "build", "finite_updates", "muon",
+    "names",
     "register_optimizer", "delta", "gnb",
 ]

@@ -49,21 +49,29 @@ COLLECTOR_KEYS = ("loo_passes", "vmap_microbatches")
 class Registered(NamedTuple):
   factory: Factory
   extra_keys: Optional[tuple]  # None: any key (the factory validates)
+  finite_updates: Union[bool, Callable[["OptimizerConfig"], bool]]
 
 
 _REGISTRY: dict[str, Registered] = {}
 
 
 def register_optimizer(name: str, factory: Optional[Factory] = None, *,
-                       extra_keys: Optional[tuple] = None):
+                       extra_keys: Optional[tuple] = None,
+                       finite_updates: Union[bool, Callable[["OptimizerConfig"], bool]] = False):
   """Registers ``factory`` under ``name`` (usable as a decorator).
 
   ``factory(cfg, learning_rate, *, wd_mask, sparse_filter)`` returns the transform without
   clipping (``build`` adds it); ``cfg.betas()`` gives the config's b1, b2, eps that are set.
   ``extra_keys``: the allowed ``cfg.extra`` keys (validated with the config), None for any.
+  ``finite_updates``: True, or a predicate of the config, when the update is finite whenever
+  the gradient (with a finite global norm), the parameters and the state are. The train step
+  then decides a skip from the loss and gradient alone, before the update, and applies the
+  update in one pass over the state (``finite_updates``); leave it False unless that is
+  proven: the step then also checks the update's norm.
   """
   def deco(f):
-    _REGISTRY[name] = Registered(f, None if extra_keys is None else tuple(extra_keys))
+    _REGISTRY[name] = Registered(f, None if extra_keys is None else tuple(extra_keys),
+                                 finite_updates)
     return f
   return deco(factory) if factory is not None else deco
 
@@ -71,6 +79,14 @@ def register_optimizer(name: str, factory: Optional[Factory] = None, *,
 def names() -> tuple[str, ...]:
   """Registered optimizer names."""
   return tuple(_REGISTRY)
+
+
+def finite_updates(config: Union[Mapping[str, Any], "OptimizerConfig"]) -> bool:
+  """Whether the optimizer of ``config`` is registered as giving a finite update whenever the
+  gradient, parameters and state are finite (``register_optimizer``)."""
+  cfg = OptimizerConfig.from_dict(config)
+  rule = _REGISTRY[cfg.name].finite_updates
+  return bool(rule(cfg) if callable(rule) else rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +215,16 @@ def _kwargs_of(fn: Callable, *drop: str) -> tuple[str, ...]:
 
 # ----------------------------------------------------------------------------- shipped names
 
-@register_optimizer("adamw", extra_keys=("mu_dtype",))
+def _adam_is_finite(cfg) -> bool:
+  """AdamW's update is finite when the gradient's global norm is (so every g^2 is): the
+  moments stay finite, eps > 0 keeps the denominator positive, and m_hat / (sqrt(v_hat) + eps)
+  is bounded. A float16 first moment (largest value 65504) can overflow; bfloat16 cannot."""
+  eps = cfg.eps if cfg.eps is not None else 1e-8
+  mu_dtype = cfg.extra.get("mu_dtype")
+  return eps > 0 and (mu_dtype is None or jnp.finfo(mu_dtype).maxexp >= 128)
+
+
+@register_optimizer("adamw", extra_keys=("mu_dtype",), finite_updates=_adam_is_finite)
 def _adamw(cfg, lr, *, wd_mask, sparse_filter):
   """optax.adamw with the paper's pretraining betas (0.9, 0.95, 1e-8) unless set; extra
   ``mu_dtype`` (e.g. ``bfloat16``) is optax's first-moment dtype."""

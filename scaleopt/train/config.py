@@ -57,6 +57,10 @@ class RunConfig:
   # every-N work (Shampoo roots, Sophia refresh, telemetry): one compiled program per outcome,
   # picked by the host ("on"), or device branches in one program ("off"); auto: on on GPUs
   host_phases: Literal["auto", "on", "off"] = "auto"
+  # the skip guard's update check: "auto" checks the update's norm only for optimizers not
+  # registered with finite updates (then a finite loss and gradient decide the skip before
+  # the update: one pass over the state); "always" for every optimizer
+  update_guard: Literal["auto", "always"] = "auto"
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from scaleopt import models
+from scaleopt import models, optim
 from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data,
                             mesh as mesh_lib, metrics, phased as phased_lib, step as step_lib)
 from scaleopt.train.config import ConfigError, TrainConfig, dump_config
@@ -278,6 +278,12 @@ def host_phases(setting: str) -> bool:
   return setting == "on" or (setting == "auto" and jax.default_backend() == "gpu")
 
 
+def check_update(cfg: config_lib.TrainConfig) -> bool:
+  """Whether the skip guard also checks the update's norm (``run.update_guard``): always, or
+  for optimizers not registered with finite updates (``optim.finite_updates``)."""
+  return cfg.run.update_guard == "always" or not optim.finite_updates(cfg.optimizer)
+
+
 def compile_fns(s: Setup) -> Compiled:
   """Shardings for state and batches, and the jitted init / train / eval functions."""
   mesh, seed = s.mesh, s.cfg.run.seed
@@ -294,7 +300,8 @@ def compile_fns(s: Setup) -> Compiled:
   batch_sh, eval_sh = mesh_lib.batch_sharding(mesh), mesh_lib.eval_sharding(mesh)
   step_fn = step_lib.make_train_step(s.model, s.tx, s.spec, s.schedule,
                                      s.cfg.run.telemetry_every, param_sh=param_sh,
-                                     update_sh=opt_sh if shard_opt else None)
+                                     update_sh=opt_sh if shard_opt else None,
+                                     check_update=check_update(s.cfg))
   step_kw = dict(in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                  donate_argnums=0)
   phased = None

@@ -5,9 +5,9 @@ One train step, all inside ``jax.jit`` with the state donated:
   microbatches [m, b, T+1] --lax.scan--> ``scaleopt.optim.collect`` statistics (what to
     collect, clipping included, is read from the optimizer state)
   -> tx.update(stats.numerator, opt_state, params, bc_stats=stats)   (clip -> opt -> wd -> lr)
-  -> apply unless the loss, gradient or update is non-finite or a transform zeroed a
-     non-finite tensor (then params and optimizer state stay as they were and the skip is
-     counted)
+  -> apply unless the loss or gradient is non-finite, a transform zeroed a non-finite
+     tensor or (``check_update``) the update is non-finite (then params and optimizer state
+     stay as they were and the skip is counted)
   -> metrics (device scalars; the loop fetches them every ``log_every`` steps).
 
 Parameters and optimizer state are float32; the model computes in ``model.dtype`` (bf16).
@@ -81,7 +81,7 @@ def _device_microbatches(mesh, axis: Any, params: Any, param_sh: Any,
 
 def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
                     schedule: Callable, telemetry_every: int = 0, param_sh: Any = None,
-                    update_sh: Any = None) -> Callable:
+                    update_sh: Any = None, check_update: bool = True) -> Callable:
   """``step(state, batch) -> (state, metrics)``; batch = {"tokens"[, "b_tokens"]}.
 
   ``spec`` (the data layout) is not needed here: ``collect`` reads it from the state.
@@ -94,7 +94,11 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
   ``update_sh``, the update stays there, and the new parameters are all-gathered by the step's
   output sharding. None: no constraints. Vmapped microbatches split over the devices
   (``_device_microbatches``) return their statistics in slices; those are not pinned, nor is
-  the state their folds read."""
+  the state their folds read.
+  ``check_update``: the skip also checks the update's norm. False only for optimizers whose
+  update is finite whenever the gradient and state are (``optim.finite_updates``): the skip is
+  then known before the update, so the update, the new moments and the new parameters come
+  out of one pass over the state (with the check, XLA runs that pass again after the norm)."""
   del spec
   if update_sh is None:
     pin, on_slices = (lambda t, params: t), (lambda t: t)
@@ -126,8 +130,10 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
     params = optax.apply_updates(params, updates)
     g_norm = optax.global_norm(stats.full)
     u_norm = optax.global_norm(updates)
-    ok = (jnp.isfinite(stats.loss) & jnp.isfinite(g_norm) & jnp.isfinite(u_norm)
+    ok = (jnp.isfinite(stats.loss) & jnp.isfinite(g_norm)
           & (optim.skipped_tensors(opt_state) == 0))
+    if check_update:
+      ok &= jnp.isfinite(u_norm)
     bad = (~ok).astype(jnp.int32)
     new = TrainState(step=state.step + 1, params=_select(ok, params, state.params),
                      opt_state=_select(ok, opt_state, state.opt_state), rng=rng,

@@ -107,18 +107,23 @@ def _numpy_rows(z, y):
   return lse - z[np.arange(len(y)), y], d
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernel_rows_against_float64(dtype):
-  # 1000 columns in blocks of 256: three whole blocks and a partial one; targets on the first
-  # and last column and on both sides of a block boundary; rows shifted by up to +-300 (the
-  # online max must keep exp in range) and one row of ties.
-  z = 8.0 * jax.random.normal(jax.random.key(3), (7, 1000), jnp.float32)
+@pytest.mark.parametrize("dtype, width, block, lanes", [
+    (jnp.float32, 1000, 256, 16), (jnp.bfloat16, 1000, 256, 16), (jnp.bfloat16, 300, 512, 16),
+    (jnp.float32, 1000, 256, 1)])
+def test_kernel_rows_against_float64(dtype, width, block, lanes):
+  # 1000 columns in blocks of 256: three whole blocks and a partial one whose last lane is
+  # all padding; 300 columns in one block of 512: lanes that are padding from the start;
+  # targets on the first and last column and on both sides of a block boundary; rows shifted
+  # by up to +-300 (the online max must keep exp in range) and one row of ties.
+  z = 8.0 * jax.random.normal(jax.random.key(3), (7, width), jnp.float32)
   z = (z + jnp.array([0.0, 300.0, -300.0, 0.0, 50.0, 0.0, 0.0])[:, None]).at[5].set(1.0)
   z = z.astype(dtype)
-  y = np.array([0, 999, 255, 256, 511, 3, 768])
+  y = np.array([0, 999, 255, 256, 511, 3, 768]) % width
+  y[1] = width - 1
   interpret = jax.default_backend() != "gpu"  # the Pallas interpreter off GPU
   # z * 1: a buffer of the jitted function's own for the kernel to write d over
-  nll, d = jax.jit(lambda z: kernels.xent_rows(z * 1, y, block=256, interpret=interpret))(z)
+  nll, d = jax.jit(lambda z: kernels.xent_rows(z * 1, y, block=block, lanes=lanes,
+                                               interpret=interpret))(z)
   want_nll, want_d = _numpy_rows(z, y)
   assert d.dtype == dtype and nll.dtype == jnp.float32
   np.testing.assert_allclose(nll, want_nll, rtol=1e-6, atol=2e-5)

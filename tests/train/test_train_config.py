@@ -50,6 +50,7 @@ def test_overrides_parse_as_yaml_and_nest(tmp_path):
     ({"model": {"d_modle": 8}}, ["model.d_modle", "d_model"]),
     ({"model": {"wd_policy": "some"}}, ["model.wd_policy", "iwd"]),
     ({"mesh": {"fsdp": 0}}, ["mesh.fsdp"]),
+    ({"run": {"update_guard": "never"}}, ["run.update_guard", "always"]),
     ({"extra_section": {}}, ["extra_section", "optimizer"]),
 ])
 def test_bad_config_names_key_and_allowed(sections, words):
@@ -93,3 +94,18 @@ def test_block_shards_fsdp_is_recorded_as_the_fsdp_size_and_another_size_refuses
   raw["mesh"]["fsdp"] = 4
   with pytest.raises(C.ConfigError, match=r"optimizer\.extra\.block_shards \(2 -> 4\)"):
     C.check_resume(C.from_dict(raw), tmp_path)
+
+
+@pytest.mark.parametrize("optimizer, guard, checked", [
+    ({"name": "adamw"}, "auto", False),
+    ({"name": "adamw"}, "always", True),
+    ({"name": "adamw", "eps": 0.0}, "auto", True),
+    ({"name": "adamw", "extra": {"mu_dtype": "float16"}}, "auto", True),
+    ({"name": "muon"}, "auto", True),
+    ({"name": "shampoo"}, "auto", True),
+])
+def test_the_skip_guard_checks_the_update_unless_the_optimizer_cannot_fail(optimizer, guard,
+                                                                           checked):
+  from scaleopt.train import loop
+  cfg = C.from_dict(tiny_raw(run={"update_guard": guard}, optimizer=optimizer))
+  assert loop.check_update(cfg) is checked
