@@ -66,8 +66,8 @@ def register_optimizer(name: str, factory: Optional[Factory] = None, *,
   ``finite_updates``: True, or a predicate of the config, when the update is finite whenever
   the gradient (with a finite global norm), the parameters and the state are. The train step
   then decides a skip from the loss and gradient alone, before the update, and applies the
-  update in one pass over the state (``finite_updates``); leave it False unless that is
-  proven: the step then also checks the update's norm.
+  update in one pass over the state; leave it False unless that is proven: the step then
+  also checks the update's norm.
   """
   def deco(f):
     _REGISTRY[name] = Registered(f, None if extra_keys is None else tuple(extra_keys),
@@ -215,13 +215,20 @@ def _kwargs_of(fn: Callable, *drop: str) -> tuple[str, ...]:
 
 # ----------------------------------------------------------------------------- shipped names
 
+_ADAMW_BETAS = {"b1": 0.9, "b2": 0.95, "eps": 1e-8}  # the paper's pretraining betas
+
+
+def _adamw_betas(cfg) -> dict[str, float]:
+  return {**_ADAMW_BETAS, **cfg.betas()}
+
+
 def _adam_is_finite(cfg) -> bool:
   """AdamW's update is finite when the gradient's global norm is (so every g^2 is): the
   moments stay finite, eps > 0 keeps the denominator positive, and m_hat / (sqrt(v_hat) + eps)
   is bounded. A float16 first moment (largest value 65504) can overflow; bfloat16 cannot."""
-  eps = cfg.eps if cfg.eps is not None else 1e-8
   mu_dtype = cfg.extra.get("mu_dtype")
-  return eps > 0 and (mu_dtype is None or jnp.finfo(mu_dtype).maxexp >= 128)
+  wide = mu_dtype is None or jnp.finfo(mu_dtype).maxexp >= 128
+  return _adamw_betas(cfg)["eps"] > 0 and wide
 
 
 @register_optimizer("adamw", extra_keys=("mu_dtype",), finite_updates=_adam_is_finite)
@@ -229,8 +236,8 @@ def _adamw(cfg, lr, *, wd_mask, sparse_filter):
   """optax.adamw with the paper's pretraining betas (0.9, 0.95, 1e-8) unless set; extra
   ``mu_dtype`` (e.g. ``bfloat16``) is optax's first-moment dtype."""
   del sparse_filter
-  betas = {"b1": 0.9, "b2": 0.95, "eps": 1e-8, **cfg.betas()}
-  return optax.adamw(lr, **betas, weight_decay=cfg.weight_decay, mask=wd_mask, **cfg.extra)
+  return optax.adamw(lr, **_adamw_betas(cfg), weight_decay=cfg.weight_decay, mask=wd_mask,
+                     **cfg.extra)
 
 
 _ADAMW_BC_KEYS = _kwargs_of(adam_bc.adamw_bc, "sparse_filter", "sparse_learning_rate") + (
