@@ -254,7 +254,11 @@ def convert(value: Any, tp: Any, key: str, meta: Optional[dict] = None) -> Any:
       raise errors[0]
     raise fail(key, value, f"expected {_describe(tp)}")
   if origin is Literal:
-    return choice(value, key, typing.get_args(tp))
+    args = typing.get_args(tp)
+    if isinstance(value, bool) and value not in args:  # YAML 1.1 reads on/off/yes/no as bools
+      words = ("on", "yes", "true") if value else ("off", "no", "false")
+      value = next((a for a in args if a in words), value)
+    return choice(value, key, args)
   if origin in (list, tuple):
     if meta.get("listify") and not isinstance(value, (list, tuple)):
       value = [value]

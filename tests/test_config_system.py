@@ -56,6 +56,19 @@ def test_parse_errors_name_key_value_and_allowed(raw, msg):
   assert str(e.value) == msg
 
 
+@dataclasses.dataclass
+class Switch:
+  phases: Literal["auto", "on", "off"] = "auto"
+
+
+def test_yaml_booleans_read_as_on_off_words():
+  # ``--set run.host_phases=off`` reaches the parser as YAML 1.1's False.
+  assert C.parse(Switch, C.apply_overrides({}, ["phases=off"]), "run").phases == "off"
+  assert C.parse(Switch, {"phases": True}, "run").phases == "on"
+  with pytest.raises(C.ConfigError, match="run.mode = True: allowed values are a, b"):
+    C.parse(Section, {"mode": True}, "run")
+
+
 def test_overrides_nest_parse_yaml_and_route():
   out = C.apply_overrides({"a": {"b": 1}}, ["a.c.d=1e-4", "a.b=[1, 2]", "top=x"])
   assert out == {"a": {"b": [1, 2], "c": {"d": 1e-4}}, "top": "x"}

@@ -78,7 +78,12 @@ class PhasedStep:
 
   def compile(self, keys: Iterable[tuple], state_arg: Any, batch_arg: Any) -> None:
     """Compiles the programs of ``keys`` now, one after another (abstract arguments with
-    shardings)."""
+    shardings), for their memory analysis (``side_by_side_bytes``).
+
+    The steps run through the jitted functions, which compile each program again at its first
+    run: on an H200 (jax 0.11.2) the ahead-of-time executables of ``adamw_bc``'s step with
+    cuDNN attention fail at their first run while loading their cuDNN graphs ("capturing
+    stream has unjoined work"); the same programs compiled by a call run."""
     for k in dict.fromkeys(keys):
       if k not in self._compiled:
         self._compiled[k] = self._program(k).lower(state_arg, batch_arg).compile()
@@ -101,8 +106,7 @@ class PhasedStep:
             + sum(m.temp_size_in_bytes for m in ma))
 
   def __call__(self, key: tuple, state, batch):
-    fn = self._compiled.get(key)
-    return (self._program(key) if fn is None else fn)(state, batch)
+    return self._program(key)(state, batch)
 
 
 class Dispatcher:
