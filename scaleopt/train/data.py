@@ -115,13 +115,23 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
 def write_shard(path: pathlib.Path, tokens: np.ndarray, vocab_size: int, tokenizer: str,
                 **extra) -> None:
   """``PATH.bin`` (uint16 when vocab_size <= 65536, else uint32) and its ``PATH.json``."""
-  dtype = np.uint16 if vocab_size <= 65536 else np.uint32
-  arr = np.asarray(tokens).astype(dtype)
+  arr = np.asarray(tokens).astype(shard_dtype(vocab_size))
   path = pathlib.Path(path)
-  path.with_suffix(".bin").write_bytes(arr.astype(arr.dtype.newbyteorder("<")).tobytes())
-  header = dict(format=FORMAT, version=1, dtype=np.dtype(dtype).name, num_tokens=int(arr.size),
-                vocab_size=int(vocab_size), tokenizer=tokenizer, **extra)
-  path.with_suffix(".json").write_text(json.dumps(header))
+  path.with_suffix(".bin").write_bytes(arr.tobytes())
+  path.with_suffix(".json").write_text(json.dumps(shard_header(arr.size, vocab_size, tokenizer,
+                                                               **extra)))
+
+
+def shard_dtype(vocab_size: int) -> np.dtype:
+  """Little-endian uint16 up to 65,536 ids, else uint32."""
+  return np.dtype("<u2" if vocab_size <= 65536 else "<u4")
+
+
+def shard_header(num_tokens: int, vocab_size: int, tokenizer: str, **extra) -> dict:
+  """The ``.json`` header of a shard of ``num_tokens`` tokens."""
+  return dict(format=FORMAT, version=1, dtype=shard_dtype(vocab_size).name,
+              num_tokens=int(num_tokens), vocab_size=int(vocab_size), tokenizer=tokenizer,
+              **extra)
 
 
 def read_shard(bin_path: pathlib.Path) -> tuple[np.ndarray, dict]:

@@ -10,8 +10,8 @@ Inputs (a file or a folder, walked in sorted order of relative paths):
   anything else (.gz, .zst)       text: the whole file is one document
 
 Everything streams: a text file is read in pieces of about ``PIECE_BYTES`` cut after a line
-break that is followed by a character other than white space (the GPT-2, Qwen2 and Llama 3
-pre-tokenizers split there anyway, so a byte-level BPE gives the ids of the whole file), JSONL
+break with no other white space on either side (the GPT-2, Qwen2 and Llama 3 pre-tokenizers
+split there anyway, so a byte-level BPE gives the ids of the whole file), JSONL
 line by line, Parquet and Arrow one record batch at a time. Memory is bounded by the pieces of
 one encoding batch plus one shard, whatever the size of a file.
 
@@ -45,7 +45,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from scaleopt.train import tokenizers
-from scaleopt.train.data import DataError, write_shard
+from scaleopt.train.data import DataError, shard_dtype, shard_header
 
 PIECE_BYTES = 1 << 20  # a text file's piece
 BATCH_BYTES = 16 << 20  # text per encoding batch (the Rust encoder spreads it over the cores)
@@ -159,16 +159,17 @@ class Unit:
   split: Optional[str] = None
 
 
-def _text_pieces(f, limit: int = PIECE_BYTES) -> Iterator[bytes]:
-  """The file in pieces of >= ``limit`` bytes (but the last), each ending with a line break
-  followed by neither white space nor the end (or, past 4 x ``limit``, anywhere at a line)."""
+def _text_pieces(f, limit: Optional[int] = None) -> Iterator[bytes]:
+  """The file in pieces of >= ``limit`` bytes (but the last), each cut after a line break
+  with no white space on either side (or, past 4 x ``limit``, after any line break)."""
+  limit = limit or PIECE_BYTES
   buf, size = [], 0
   while True:
     line = f.readline(limit)
     if not line:
       break
-    if size >= limit and (line[:1] not in b" \t\r\n\x0b\x0c" or size >= 4 * limit) \
-        and buf[-1].endswith(b"\n"):
+    if size >= limit and buf[-1].endswith(b"\n") and (
+        size >= 4 * limit or (not line[:1].isspace() and not buf[-1][-2:-1].isspace())):
       yield b"".join(buf)
       buf, size = [], 0
     buf.append(line)
@@ -223,7 +224,7 @@ def _line_pieces(f, cut: int) -> Iterator[tuple[bytes, str]]:
 def _count_lines(path: pathlib.Path, comp) -> int:
   n, last = 0, b"\n"
   with _open(path, comp) as f:
-    while block := f.read(1 << 22):
+    while block := f.read(1 << 20):
       n += block.count(b"\n")
       last = block[-1:]
   return n + (last != b"\n")
@@ -319,43 +320,61 @@ def file_units(rel: str, path: pathlib.Path, opts: Options, skipped: dict, lone:
 
 
 class ShardWriter:
-  """Cuts a stream of token arrays into ``SPLIT_000.bin``, ``SPLIT_001.bin``, ...; keeps each
-  shard's (file, tokens, sha256)."""
+  """Streams token arrays into ``SPLIT_000.bin``, ``SPLIT_001.bin``, ... of ``size`` tokens
+  (the last one shorter), never holding more than the array being added; keeps each shard's
+  (file, tokens, sha256). ``carry()``: the tokens of the open shard when a shard was closed
+  during the last ``add`` (they came from that array), for a restart point."""
 
-  def __init__(self, out: pathlib.Path, split: str, tok, shard_tokens: int, shards=(),
+  def __init__(self, out: pathlib.Path, split: str, tok, size: int, shards=(),
                carry: Optional[np.ndarray] = None):
-    self.out, self.split, self.tok, self.size = out, split, tok, shard_tokens
+    self.out, self.split, self.tok, self.size = out, split, tok, size
+    self.dtype = shard_dtype(tok.vocab_size)
     self.shards = list(shards)
-    self.buf = [carry] if carry is not None and carry.size else []
-    self.n = sum(b.size for b in self.buf)
-    self.total = sum(s["tokens"] for s in self.shards) + self.n
+    self.total = sum(s["tokens"] for s in self.shards)
+    self.f = None
+    self.n = 0
+    self._carry: list = []
+    if carry is not None and carry.size:
+      self.add(carry)
+
+  def _open(self) -> None:
+    self.name = f"{self.split}_{len(self.shards):03d}"
+    self.f, self.n, self.sha = open(self.out / f"{self.name}.bin", "wb"), 0, hashlib.sha256()
 
   def add(self, arr: np.ndarray) -> bool:
-    """Adds tokens; True when a full shard was written."""
-    self.buf.append(arr)
-    self.n += arr.size
-    self.total += arr.size
-    wrote = False
-    while self.n >= self.size:
-      cat = np.concatenate(self.buf)
-      self.write(cat[:self.size])
-      self.buf, self.n, wrote = [cat[self.size:]], cat.size - self.size, True
-    return wrote
+    """Adds tokens; True when a shard was completed."""
+    closed = False
+    while arr.size:
+      if self.f is None:
+        self._open()
+      part, arr = arr[:self.size - self.n], arr[self.size - self.n:]
+      data = part.astype(self.dtype).tobytes()
+      self.f.write(data)
+      self.sha.update(data)
+      self.n += part.size
+      self.total += part.size
+      if closed:
+        self._carry.append(part)
+      if self.n == self.size:
+        self.close_shard()
+        closed, self._carry = True, []
+    return closed
 
   def carry(self) -> np.ndarray:
-    return np.concatenate(self.buf) if self.buf else np.zeros((0,), np.uint32)
+    return np.concatenate(self._carry) if self._carry else np.zeros((0,), np.uint32)
 
-  def write(self, toks: np.ndarray) -> None:
-    name = f"{self.split}_{len(self.shards):03d}"
-    write_shard(self.out / name, toks, self.tok.vocab_size, self.tok.name, separator=self.tok.sep)
-    digest = hashlib.sha256((self.out / f"{name}.bin").read_bytes()).hexdigest()
-    self.shards.append({"file": f"{name}.bin", "tokens": int(toks.size), "sha256": digest})
-
-  def flush(self, final: bool = False) -> None:
-    """Writes what is buffered as a shard (at the end: also an empty split's one shard)."""
-    if self.n or (final and not self.shards):
-      self.write(self.carry())
-    self.buf, self.n = [], 0
+  def close_shard(self, final: bool = False) -> None:
+    """Completes the open shard (at the end: also writes an empty split's one shard)."""
+    if self.f is None and final and not self.shards:
+      self._open()
+    if self.f is None:
+      return
+    self.f.close()
+    self.f = None
+    header = shard_header(self.n, self.tok.vocab_size, self.tok.name, separator=self.tok.sep)
+    (self.out / f"{self.name}.json").write_text(json.dumps(header))
+    self.shards.append({"file": f"{self.name}.bin", "tokens": self.n,
+                        "sha256": self.sha.hexdigest()})
 
 
 def _clear(out: pathlib.Path) -> None:
@@ -491,6 +510,8 @@ def prepare(inp: str | pathlib.Path, out: str | pathlib.Path, tokenizer: str = "
     opts = dataclasses.replace(opts, shard_tokens=shard_tokens)
   if not 0 < opts.val_fraction < 1:
     raise DataError(f"--val-fraction {opts.val_fraction}: must be in (0, 1)")
+  if opts.shard_tokens < 1:
+    raise DataError(f"--shard-tokens {opts.shard_tokens}: must be >= 1")
   inp, out = pathlib.Path(inp), pathlib.Path(out)
   files, skipped = input_files(inp, tuple(opts.include))
   if not files:
@@ -521,8 +542,9 @@ def prepare(inp: str | pathlib.Path, out: str | pathlib.Path, tokenizer: str = "
       if u.last:
         arr = np.append(arr, np.uint32(tok.sep))
       prog.bytes += len(u.text)
-      if writers[_split_of(u, opts.val_fraction)].add(arr):
-        writers["val"].flush()
+      split = _split_of(u, opts.val_fraction)
+      if writers[split].add(arr) and split == "train":
+        writers["val"].close_shard()
         state.update(pos=list(pos), text_bytes=prog.bytes, skipped=skipped,
                      shards={s: w.shards for s, w in writers.items()})
         _save_state(out, state, writers["train"].carry())
@@ -551,7 +573,7 @@ def _finish(inp, out, files, tok, writers, skipped, prog, opts) -> dict:
   if writers["train"].total == 0:
     raise DataError(f"input {str(inp)!r}: the training split is empty")
   for w in writers.values():
-    w.flush(final=True)
+    w.close_shard(final=True)
   tok_hash = (hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
               if (out / "tokenizer.json").is_file() else tok.name)
   content = hashlib.sha256(tok_hash.encode())
