@@ -178,8 +178,17 @@ def check_token_range(arr: np.ndarray, vocab_size: int, path, chunk: int = 1 << 
                       f"{i + j}, outside its header's vocab_size={vocab_size}")
 
 
+def is_url(path) -> bool:
+  """``scheme://...`` (gs://, s3://, memory://, file://, ...): read through fsspec."""
+  head, sep, _ = str(path).partition("://")
+  return bool(sep) and head.replace("+", "").replace("-", "").replace(".", "").isalnum()
+
+
 def load_shards(directory: str | pathlib.Path, split: str) -> tuple[list[np.ndarray], int]:
-  """All shards of a split: (list of memmaps, vocab size)."""
+  """All shards of a split: (list of memmaps -- or of ``RemoteTokens`` for a URL --, vocab
+  size)."""
+  if is_url(directory):
+    return _load_remote_shards(str(directory), split)
   d = pathlib.Path(directory)
   if not d.is_dir():
     raise DataError(f"shard directory {str(d)!r} does not exist")
@@ -192,6 +201,70 @@ def load_shards(directory: str | pathlib.Path, split: str) -> tuple[list[np.ndar
     arr, head = read_shard(b)
     arrays.append(arr)
     vocab = max(vocab, int(head["vocab_size"]))
+  return arrays, vocab
+
+
+class RemoteTokens:
+  """One shard on an fsspec file system, read by byte ranges: ``arr[a:b]`` fetches tokens
+  ``[a, b)``; ``Windows`` fetches a batch's rows in one ``cat_ranges`` call."""
+
+  def __init__(self, fs, path: str, dtype: np.dtype, n: int):
+    self.fs, self.path, self.dtype, self.size = fs, path, dtype, n
+
+  def __getitem__(self, sl: slice) -> np.ndarray:
+    a, b, _ = sl.indices(self.size)
+    return self.read_many([(self, a, max(a, b))])[0]
+
+  @staticmethod
+  def read_many(parts: list) -> list[np.ndarray]:
+    """[(shard, first token, end token)] -> token arrays, one request batch per file system."""
+    if not parts:
+      return []
+    fs, k = parts[0][0].fs, parts[0][0].dtype.itemsize
+    blobs = fs.cat_ranges([p.path for p, _, _ in parts], [a * k for _, a, _ in parts],
+                          [b * k for _, _, b in parts])
+    for (p, _, _), blob in zip(parts, blobs):
+      if isinstance(blob, Exception):
+        raise DataError(f"token shard {p.fs.unstrip_protocol(p.path)!r} cannot be read "
+                        f"({blob})")
+    return [np.frombuffer(b, p.dtype) for (p, _, _), b in zip(parts, blobs)]
+
+
+def _load_remote_shards(url: str, split: str) -> tuple[list, int]:
+  """The shards of a split under a URL: headers checked as for local shards, tokens read on
+  demand (``RemoteTokens``)."""
+  try:
+    import fsspec
+  except ImportError:
+    raise DataError(f"data.path {url!r}: reading shards from a URL needs `fsspec` (and its "
+                    "gcsfs / s3fs backend)") from None
+  try:
+    fs, root = fsspec.core.url_to_fs(url)
+    bins = sorted(fs.glob(root.rstrip("/") + f"/{split}*.bin"))
+  except (ImportError, ValueError, OSError) as e:
+    raise DataError(f"data.path {url!r} cannot be listed ({e})") from None
+  if not bins:
+    raise DataError(f"shard directory {url!r} has no {split}*.bin files (or does not exist)")
+  arrays, vocab = [], 0
+  for b in bins:
+    name = fs.unstrip_protocol(b)
+    try:
+      head = json.loads(fs.cat_file(b[:-4] + ".json"))
+      dtype = np.dtype(head["dtype"]).newbyteorder("<")
+      n, v = int(head["num_tokens"]), int(head["vocab_size"])
+      size = fs.size(b)
+    except FileNotFoundError:
+      raise DataError(f"token shard header of {name!r} is missing (every .bin needs a .json "
+                      "header)") from None
+    except (ValueError, KeyError, TypeError) as e:
+      raise DataError(f"token shard header of {name!r} is corrupt ({e!r})") from None
+    if dtype.name not in ("uint16", "uint32") or size != n * dtype.itemsize:
+      raise DataError(f"token shard {name!r} is truncated or corrupt: {size} bytes, header "
+                      f"says {n} tokens of {dtype.name}")
+    arr = RemoteTokens(fs, b, dtype, n)
+    check_token_range(arr, v, name)
+    arrays.append(arr)
+    vocab = max(vocab, v)
   return arrays, vocab
 
 
@@ -230,8 +303,13 @@ class Windows:
     """Windows ``idx`` (int array) as int32 [len(idx), seq_len + 1]."""
     out = np.empty((idx.size, self.seq_len + 1), np.int32)
     shard = np.searchsorted(self.starts, idx, side="right") - 1
-    for r, (s, i) in enumerate(zip(shard, idx)):
-      o = (i - self.starts[s]) * self.seq_len
+    offsets = (idx - self.starts[shard]) * self.seq_len
+    if self.arrays and isinstance(self.arrays[0], RemoteTokens):  # one request batch
+      parts = [(self.arrays[s], o, o + self.seq_len + 1) for s, o in zip(shard, offsets)]
+      for r, row in enumerate(RemoteTokens.read_many(parts)):
+        out[r] = row
+      return out
+    for r, (s, o) in enumerate(zip(shard, offsets)):
       out[r] = self.arrays[s][o:o + self.seq_len + 1]
     return out
 
