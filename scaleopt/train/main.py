@@ -28,6 +28,7 @@ def train_main(config_path: str, out_dir: str, overrides: list[str] | None = Non
 
     from scaleopt.train.mesh import maybe_initialize_distributed
     maybe_initialize_distributed(cfg.mesh.distributed)  # the processes compare their --out
+    loop.check_out_dir(cfg, out_dir, resume)  # a usable folder before the lock creates it
     with runfolder.claim(out_dir, process_index=jax.process_index()):
       summary = loop.train(cfg, out_dir, resume=resume)
   except (ConfigError, DataError, checkpoint.CheckpointError) as e:
