@@ -33,12 +33,15 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import gzip
+import contextlib
 import hashlib
 import io
 import json
 import os
 import pathlib
+import queue
 import sys
+import threading
 import time
 from typing import Callable, Iterator, Optional
 
@@ -145,7 +148,8 @@ def _open(path: pathlib.Path, comp: Optional[str]):
     except ImportError:
       raise DataError(f"input {str(path)!r}: .zst files need the `zstandard` package "
                       "(pip install zstandard)") from None
-    return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+    raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+    return io.BufferedReader(raw, 1 << 20)  # readline
   return open(path, "rb")
 
 
@@ -240,7 +244,7 @@ def _record(text, where: str, field: str) -> Unit:
 
 def _jsonl_units(path: pathlib.Path, comp, field: str) -> Iterator[Unit]:
   with _open(path, comp) as f:
-    for n, line in enumerate(io.BufferedReader(f) if comp == "zst" else f, 1):
+    for n, line in enumerate(f, 1):
       if not line.strip():
         continue
       try:
@@ -488,6 +492,43 @@ def _batches(units: Iterator, opts: Options) -> Iterator[list]:
     yield batch
 
 
+def _prefetch(it: Iterator, depth: int = 2) -> Iterator:
+  """``it`` run ahead in a thread (reading and parsing overlap the encoder, which releases
+  the GIL); its exceptions are raised here, in order."""
+  q: queue.Queue = queue.Queue(depth)
+  stop = threading.Event()
+
+  def put(item) -> bool:
+    while not stop.is_set():
+      with contextlib.suppress(queue.Full):
+        q.put(item, timeout=0.1)
+        return True
+    return False
+
+  def work():
+    try:
+      for x in it:
+        if not put((True, x)):
+          return
+      put((False, None))
+    except BaseException as e:  # pylint: disable=broad-except  (re-raised by the consumer)
+      put((False, e))
+
+  t = threading.Thread(target=work, daemon=True)
+  t.start()
+  try:
+    while True:
+      ok, x = q.get()
+      if not ok:
+        if x is not None:
+          raise x
+        return
+      yield x
+  finally:
+    stop.set()
+    t.join()
+
+
 def _tokenizer(spec: str, out: pathlib.Path, files: list, opts: Options, resumed: bool):
   try:
     if resumed and (out / "tokenizer.json").is_file() and spec.startswith("bpe:"):
@@ -536,7 +577,7 @@ def prepare(inp: str | pathlib.Path, out: str | pathlib.Path, tokenizer: str = "
   prog = Progress(opts.progress)
   prog.bytes = state["text_bytes"]
   units = _units(files, opts, skipped, tuple(state["pos"]))
-  for batch in _batches(units, opts):
+  for batch in _prefetch(_batches(units, opts)):
     ids = tok.encode_docs([u.text for _, u in batch], separators=False)
     for (pos, u), arr in zip(batch, ids):
       if u.last:
@@ -624,6 +665,10 @@ def main(input: str, out: str, tokenizer: str = "bytes", **options) -> int:
       shutil.rmtree(out, ignore_errors=True)
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    print(f"interrupted: run the same command again to continue {out} from its last "
+          "complete training shard", file=sys.stderr)
+    return 130
   skipped = ", ".join(f"{n} {what}" for what, n in sorted(s["skipped"].items()))
   print(f"wrote {out}: {s['train_tokens']} train / {s['val_tokens']} val tokens from "
         f"{s['files']} files, vocab {s['vocab_size']} ({s['tokenizer']}); "

@@ -65,6 +65,13 @@ def _inputs(tmp_path, docs):
     w.write_table(pa.table({"text": docs}))
   src["hf-folder"] = tmp_path / "hf"
   _write_hf_arrow_folder(src["hf-folder"], docs)
+  try:
+    import zstandard
+  except ImportError:
+    return src
+  src["jsonl.zst"] = tmp_path / "docs.jsonl.zst"
+  data = b"".join((json.dumps({"text": d}) + "\n").encode() for d in docs)
+  src["jsonl.zst"].write_bytes(zstandard.ZstdCompressor().compress(data))
   return src
 
 
@@ -113,18 +120,21 @@ def test_every_format_gives_exactly_the_documents_tokens(tmp_path, spec):
 def test_text_folder_with_compressed_files_and_long_files_in_pieces(tmp_path, monkeypatch):
   """A long text file is read in pieces; the byte-level BPE still gives the whole file's ids."""
   monkeypatch.setattr(P, "PIECE_BYTES", 200)
+  zstd = pytest.importorskip("zstandard")
   docs = _docs(60, seed=1)
   path, ref = _bpe_file(tmp_path, docs)
   src = tmp_path / "txt"
   (src / "sub").mkdir(parents=True)
   texts = {}
   for i in range(40):
-    rel = f"sub/f{i:02d}.txt.gz" if i % 2 else f"f{i:02d}.md"
+    rel = (f"sub/f{i:02d}.txt.gz", f"f{i:02d}.md", f"f{i:02d}.txt.zst")[i % 3]
     text = "\n".join(docs[i:i + 15]) + "\n  indented\n\nlast line"
     texts[rel] = text
     if rel.endswith(".gz"):
       with gzip.open(src / rel, "wt", encoding="utf-8") as f:
         f.write(text)
+    elif rel.endswith(".zst"):
+      (src / rel).write_bytes(zstd.ZstdCompressor().compress(text.encode()))
     else:
       (src / rel).write_text(text, encoding="utf-8")
   out = tmp_path / "o"
@@ -267,3 +277,18 @@ def test_cli_prints_throughput_and_reads_options(tmp_path):
   assert r.returncode == 0, r.stderr
   assert "MB/s" in r.stdout and "content hash" in r.stdout
   assert json.loads((out / "manifest.json").read_text())["val_fraction"] == 0.2
+
+
+def test_ctrl_c_keeps_the_restart_point_and_says_how_to_continue(tmp_path, monkeypatch, capsys):
+  inp = tmp_path / "d.jsonl"
+  _write_jsonl(inp, _docs(200, seed=4))
+
+  def die(*a):
+    raise KeyboardInterrupt
+
+  real_save = P._save_state
+  monkeypatch.setattr(P, "_save_state", lambda *a: (real_save(*a), die()))
+  out = tmp_path / "o"
+  assert D.prepare_main(str(inp), str(out), "bytes", shard_tokens=1000) == 130
+  assert "run the same command again" in capsys.readouterr().err
+  assert (out / ".prepare" / "state.json").is_file() and (out / "train_000.bin").is_file()
