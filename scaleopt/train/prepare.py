@@ -6,7 +6,9 @@ Inputs (a file or a folder, walked in sorted order of relative paths):
   *.parquet                       the document is the ``text_field`` column of each row
   *.arrow                         Arrow IPC files (stream or file format), the same column;
                                   a Hugging Face ``datasets.save_to_disk`` folder is such files
-                                  plus ``state.json`` / ``dataset_info.json`` (left out)
+                                  plus ``state.json`` / ``dataset_info.json`` (left out; a
+                                  ``DatasetDict``'s splits are all read, its
+                                  ``dataset_dict.json`` left out)
   anything else (.gz, .zst)       text: the whole file is one document
 
 Everything streams: a text file is read in pieces of about ``PIECE_BYTES`` cut after a line
@@ -55,7 +57,7 @@ BATCH_BYTES = 16 << 20  # text per encoding batch (the Rust encoder spreads it o
 BATCH_UNITS = 1024  # records per encoding batch
 SKIP_DIRS = (".git",)  # never descended into
 SKIP_SUFFIXES = (".pyc",)
-HF_METADATA = ("state.json", "dataset_info.json", "dataset_dict.json")  # next to .arrow files
+HF_METADATA = ("state.json", "dataset_info.json", "dataset_dict.json")  # datasets' folders
 STATE_DIR = ".prepare"
 MANIFEST = "manifest.json"
 
@@ -129,7 +131,7 @@ def input_files(inp: pathlib.Path, include: tuple = ()) -> tuple[list, dict]:
         count(f"{n} files")
       elif p.suffix in SKIP_SUFFIXES:
         count(f"{p.suffix} files")
-      elif arrow_here and n in HF_METADATA:
+      elif n in HF_METADATA and (arrow_here or n == "dataset_dict.json"):
         count("datasets metadata files")
       elif include and not any(fnmatch.fnmatch(n, g) for g in include):
         count("files outside --include")

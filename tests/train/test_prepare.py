@@ -63,8 +63,10 @@ def _inputs(tmp_path, docs):
   src["arrow-file"] = tmp_path / "docs.arrow"
   with pa.ipc.new_file(str(src["arrow-file"]), pa.schema([("text", pa.string())])) as w:
     w.write_table(pa.table({"text": docs}))
-  src["hf-folder"] = tmp_path / "hf"
-  _write_hf_arrow_folder(src["hf-folder"], docs)
+  src["hf-folder"] = tmp_path / "hf"  # a DatasetDict with one split
+  src["hf-folder"].mkdir()
+  (src["hf-folder"] / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+  _write_hf_arrow_folder(src["hf-folder"] / "train", docs)
   try:
     import zstandard
   except ImportError:
