@@ -15,9 +15,12 @@ Shard format (written by ``scaleopt data prepare``, easy to write from other too
                        "separator": 0}
   DIR/val_000.bin, DIR/val_000.json   the validation split, same format
   DIR/tokenizer.json  (BPE tokenizers) the Hugging Face tokenizer, for decoding
+  DIR/manifest.json   (written by ``data prepare``) inputs, tokens, shard hashes, content hash
 
 ``vocab_size`` is the tokenizer's (max id + 1); a model must have at least that many rows.
-Tokenizers live in :mod:`scaleopt.train.tokenizers`.
+Tokenizers live in :mod:`scaleopt.train.tokenizers`, the readers of ``data prepare`` (text,
+JSONL, Parquet, Arrow) in :mod:`scaleopt.train.prepare`. ``DIR`` may be a URL (``gs://``,
+``s3://``, ``memory://``, any fsspec file system): shards are then read by byte ranges.
 
 A ``.bin`` must hold exactly ``num_tokens * itemsize`` bytes; anything else is an error that
 names the file. nanoGPT-style ``train.bin``/``val.bin`` work once a ``.json`` is put next to

@@ -158,11 +158,13 @@ def _open(path: pathlib.Path, comp: Optional[str]):
 @dataclasses.dataclass
 class Unit:
   """A piece of input: ``text`` (UTF-8 bytes) of the document keyed ``key``; ``last``: the
-  document ends here (a separator follows); ``split``: forced split (a lone text file)."""
+  document ends here (a separator follows); ``split``: forced split (a lone text file);
+  ``skip``: no text, a file left out (what to count it as)."""
   key: bytes
   text: bytes
   last: bool = True
   split: Optional[str] = None
+  skip: Optional[str] = None
 
 
 def _text_pieces(f, limit: Optional[int] = None) -> Iterator[bytes]:
@@ -184,8 +186,7 @@ def _text_pieces(f, limit: Optional[int] = None) -> Iterator[bytes]:
     yield b"".join(buf)
 
 
-def _text_units(rel: str, path: pathlib.Path, comp, skipped: dict, lines=None
-                ) -> Iterator[Unit]:
+def _text_units(rel: str, path: pathlib.Path, comp, lines=None) -> Iterator[Unit]:
   """A text file as one document; ``lines`` = (cut, fraction) holds out its lines past cut."""
   with _open(path, comp) as f:
     first, n_line = True, 0
@@ -194,7 +195,7 @@ def _text_units(rel: str, path: pathlib.Path, comp, skipped: dict, lines=None
     for piece, split in pieces:
       if is_binary(piece):
         if first:
-          skipped["binary files"] = skipped.get("binary files", 0) + 1
+          yield Unit(rel.encode(), b"", skip="binary files")
           return
         raise DataError(f"input {str(path)!r} is not UTF-8 text (or holds a NUL byte) after "
                         f"its first {n_line} bytes")
@@ -304,7 +305,7 @@ class _file_batches:
     return (self.r.get_batch(i) for i in range(self.r.num_record_batches))
 
 
-def file_units(rel: str, path: pathlib.Path, opts: Options, skipped: dict, lone: bool = False
+def file_units(rel: str, path: pathlib.Path, opts: Options, lone: bool = False
                ) -> Iterator[Unit]:
   """The units of one input file, in order."""
   fmt, comp = file_format(path.name)
@@ -317,8 +318,8 @@ def file_units(rel: str, path: pathlib.Path, opts: Options, skipped: dict, lone:
   if lone:
     n = _count_lines(path, comp)
     cut = max(1, int(n * (1 - opts.val_fraction)))
-    return _text_units(rel, path, comp, skipped, lines=cut)
-  return _text_units(rel, path, comp, skipped)
+    return _text_units(rel, path, comp, lines=cut)
+  return _text_units(rel, path, comp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,13 +448,12 @@ class Progress:
 # The run.
 
 
-def _units(files: list, opts: Options, skipped: dict, start: tuple = (0, 0)
-           ) -> Iterator[tuple[tuple, Unit]]:
+def _units(files: list, opts: Options, start: tuple = (0, 0)) -> Iterator[tuple[tuple, Unit]]:
   """((file index, unit index) after the unit, unit) from position ``start`` on."""
   lone = len(files) == 1 and file_format(files[0][1].name)[0] == "text"
   for i in range(start[0], len(files)):
     rel, path = files[i]
-    for j, u in enumerate(file_units(rel, path, opts, skipped, lone=lone)):
+    for j, u in enumerate(file_units(rel, path, opts, lone=lone)):
       if (i, j) >= start:
         yield (i, j + 1), u
 
@@ -471,8 +471,8 @@ def _bpe_sample(files: list, opts: Options) -> Callable[[], Iterator[bytes]]:
 
   def texts():
     seen = 0
-    for _, u in _units(files, opts, {}):
-      if _split_of(u, opts.val_fraction) != "train" or (
+    for _, u in _units(files, opts):
+      if u.skip or _split_of(u, opts.val_fraction) != "train" or (
           share < 1 and not is_heldout(u.key + u.text[:64], share)):
         continue
       yield u.text
@@ -578,10 +578,14 @@ def prepare(inp: str | pathlib.Path, out: str | pathlib.Path, tokenizer: str = "
                             carry if s == "train" else None) for s in ("train", "val")}
   prog = Progress(opts.progress)
   prog.bytes = state["text_bytes"]
-  units = _units(files, opts, skipped, tuple(state["pos"]))
+  units = _units(files, opts, tuple(state["pos"]))
   for batch in _prefetch(_batches(units, opts)):
-    ids = tok.encode_docs([u.text for _, u in batch], separators=False)
-    for (pos, u), arr in zip(batch, ids):
+    ids = tok.encode_docs([u.text for _, u in batch if not u.skip], separators=False)
+    for pos, u in batch:
+      if u.skip:
+        skipped[u.skip] = skipped.get(u.skip, 0) + 1
+        continue
+      arr = next(ids)
       if u.last:
         arr = np.append(arr, np.uint32(tok.sep))
       prog.bytes += len(u.text)

@@ -221,8 +221,11 @@ def test_memory_stays_far_below_the_file_size(tmp_path, monkeypatch, fmt):
 
 def test_an_interrupted_prepare_continues_and_writes_the_same_shards(tmp_path, monkeypatch):
   docs = _docs(400, seed=2)
-  inp = tmp_path / "d.jsonl"
-  _write_jsonl(inp, docs)
+  inp = tmp_path / "in"  # records, then a binary file (counted once), then more records
+  inp.mkdir()
+  _write_jsonl(inp / "a.jsonl", docs[:300])
+  (inp / "b.txt").write_bytes(b"\x00binary")
+  _write_jsonl(inp / "c.jsonl", docs[300:])
   ref = tmp_path / "ref"
   D.prepare(inp, ref, "bytes", shard_tokens=2000)
   saves, real_save = [], P._save_state
@@ -249,6 +252,7 @@ def test_an_interrupted_prepare_continues_and_writes_the_same_shards(tmp_path, m
   for n in names:
     assert (ref / n).read_bytes() == (out / n).read_bytes(), n
   assert sum(map(len, encoded)) < 0.6 * sum(len(d.encode()) for d in docs)  # not from scratch
+  assert json.loads((out / "manifest.json").read_text())["skipped"] == {"binary files": 1}
 
 
 def test_batches_resume_exactly_on_shards_of_any_format(tmp_path):
