@@ -191,3 +191,12 @@ def test_the_lock_is_exclusive_within_a_process_too(tmp_path):
       with runfolder.owner(str(tmp_path / "r")):
         pass
   assert not (tmp_path / "r").exists()  # created here, nothing written: removed again
+
+
+def test_data_prepare_refuses_a_url_out_without_making_a_folder(tmp_path, capsys, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "a.txt").write_text("some text\n" * 100)
+  assert D.prepare_main(str(tmp_path / "a.txt"), "gs://bucket/shards") == 2
+  err = capsys.readouterr().err
+  assert "'gs://bucket/shards'" in err and "local folder" in err and err.count("\n") == 1
+  assert not (tmp_path / "gs:").exists()
