@@ -5,7 +5,8 @@
   scaleopt sweep --config NAME_OR_YAML --out DIR [--set a.b=v ...]
   scaleopt study --config NAME_OR_YAML --out DIR [--set a.b=v ...] [--cells GLOB ...]
                  [--max-minutes M] [--shard i/n] [--claim TOKEN] [--report-only] [--list]
-  scaleopt data prepare --input TEXT_OR_DIR --out DIR [--tokenizer bytes|bpe:VOCAB|tokenizer.json]
+  scaleopt data prepare --input FILE_OR_DIR --out DIR [--tokenizer bytes|bpe:VOCAB|tokenizer.json]
+                        [--text-field text] [--val-fraction 0.05] [--include GLOB ...]
   scaleopt convert import --hf HF_DIR --out PARAMS_DIR      (Qwen2/Llama safetensors -> Orbax)
   scaleopt convert export --from RUN_OR_PARAMS_DIR --out HF_DIR [--step N] [--dtype bfloat16]
   scaleopt bias-study [--out results/bias_reduction.md]
@@ -98,7 +99,10 @@ def _study(args: argparse.Namespace) -> int:
 def _data_prepare(args: argparse.Namespace) -> int:
   from scaleopt.train.data import prepare_main
 
-  return prepare_main(args.input, args.out, tokenizer=args.tokenizer) or 0
+  return prepare_main(args.input, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
+                      val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
+                      include=tuple(args.include), bpe_sample_mb=args.bpe_sample_mb,
+                      progress=not args.quiet) or 0
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -189,9 +193,23 @@ def build_parser() -> argparse.ArgumentParser:
 
   d = sub.add_parser("data", help="data utilities")
   dsub = d.add_subparsers(dest="data_command", required=True)
-  dp = dsub.add_parser("prepare", help="tokenize text into memory-mapped token shards")
-  dp.add_argument("--input", required=True)
-  dp.add_argument("--out", required=True)
+  dp = dsub.add_parser("prepare", help="tokenize text, JSONL, Parquet or Arrow into token "
+                       "shards (rerun the same command to continue an interrupted one)")
+  dp.add_argument("--input", required=True, help="a file or folder: text (.gz, .zst), "
+                  ".jsonl/.ndjson (.gz, .zst), .parquet, .arrow (a datasets.save_to_disk folder)")
+  dp.add_argument("--out", required=True, help="local folder for the shards")
+  dp.add_argument("--text-field", default="text",
+                  help="JSONL field / Parquet and Arrow column holding the text (default: text)")
+  dp.add_argument("--val-fraction", type=float, default=0.05,
+                  help="share of documents held out, chosen by a hash of each (default 0.05)")
+  dp.add_argument("--include", action="append", default=[], metavar="GLOB",
+                  help="read only files whose name matches, e.g. '*.py' (repeatable)")
+  dp.add_argument("--shard-tokens", type=int, default=1 << 28,
+                  help="training tokens per shard (and per restart point; default 2**28)")
+  dp.add_argument("--bpe-sample-mb", type=float, default=None,
+                  help="train bpe:VOCAB on about this much training text, sampled across the "
+                  "inputs (default: all of it)")
+  dp.add_argument("--quiet", action="store_true", help="no progress lines")
   dp.add_argument("--tokenizer", default="bytes",
                   help="bytes | bpe:VOCAB_SIZE (train a byte-level BPE on the training split) | "
                   "PATH/tokenizer.json[#SEPARATOR_TOKEN] (e.g. Qwen2.5's)")

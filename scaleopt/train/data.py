@@ -15,9 +15,12 @@ Shard format (written by ``scaleopt data prepare``, easy to write from other too
                        "separator": 0}
   DIR/val_000.bin, DIR/val_000.json   the validation split, same format
   DIR/tokenizer.json  (BPE tokenizers) the Hugging Face tokenizer, for decoding
+  DIR/manifest.json   (written by ``data prepare``) inputs, tokens, shard hashes, content hash
 
 ``vocab_size`` is the tokenizer's (max id + 1); a model must have at least that many rows.
-Tokenizers live in :mod:`scaleopt.train.tokenizers`.
+Tokenizers live in :mod:`scaleopt.train.tokenizers`, the readers of ``data prepare`` (text,
+JSONL, Parquet, Arrow) in :mod:`scaleopt.train.prepare`. ``DIR`` may be a URL (``gs://``,
+``s3://``, ``memory://``, any fsspec file system): shards are then read by byte ranges.
 
 A ``.bin`` must hold exactly ``num_tokens * itemsize`` bytes; anything else is an error that
 names the file. nanoGPT-style ``train.bin``/``val.bin`` work once a ``.json`` is put next to
@@ -32,15 +35,13 @@ same seed gives the same batches and resuming is exact. Each process reads only 
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import pathlib
-import shutil
 import sys
 import sysconfig
 import zlib
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -117,13 +118,23 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
 def write_shard(path: pathlib.Path, tokens: np.ndarray, vocab_size: int, tokenizer: str,
                 **extra) -> None:
   """``PATH.bin`` (uint16 when vocab_size <= 65536, else uint32) and its ``PATH.json``."""
-  dtype = np.uint16 if vocab_size <= 65536 else np.uint32
-  arr = np.asarray(tokens).astype(dtype)
+  arr = np.asarray(tokens).astype(shard_dtype(vocab_size))
   path = pathlib.Path(path)
-  path.with_suffix(".bin").write_bytes(arr.astype(arr.dtype.newbyteorder("<")).tobytes())
-  header = dict(format=FORMAT, version=1, dtype=np.dtype(dtype).name, num_tokens=int(arr.size),
-                vocab_size=int(vocab_size), tokenizer=tokenizer, **extra)
-  path.with_suffix(".json").write_text(json.dumps(header))
+  path.with_suffix(".bin").write_bytes(arr.tobytes())
+  path.with_suffix(".json").write_text(json.dumps(shard_header(arr.size, vocab_size, tokenizer,
+                                                               **extra)))
+
+
+def shard_dtype(vocab_size: int) -> np.dtype:
+  """Little-endian uint16 up to 65,536 ids, else uint32."""
+  return np.dtype("<u2" if vocab_size <= 65536 else "<u4")
+
+
+def shard_header(num_tokens: int, vocab_size: int, tokenizer: str, **extra) -> dict:
+  """The ``.json`` header of a shard of ``num_tokens`` tokens."""
+  return dict(format=FORMAT, version=1, dtype=shard_dtype(vocab_size).name,
+              num_tokens=int(num_tokens), vocab_size=int(vocab_size), tokenizer=tokenizer,
+              **extra)
 
 
 def read_shard(bin_path: pathlib.Path) -> tuple[np.ndarray, dict]:
@@ -170,8 +181,17 @@ def check_token_range(arr: np.ndarray, vocab_size: int, path, chunk: int = 1 << 
                       f"{i + j}, outside its header's vocab_size={vocab_size}")
 
 
+def is_url(path) -> bool:
+  """``scheme://...`` (gs://, s3://, memory://, file://, ...): read through fsspec."""
+  head, sep, _ = str(path).partition("://")
+  return bool(sep) and head.replace("+", "").replace("-", "").replace(".", "").isalnum()
+
+
 def load_shards(directory: str | pathlib.Path, split: str) -> tuple[list[np.ndarray], int]:
-  """All shards of a split: (list of memmaps, vocab size)."""
+  """All shards of a split: (list of memmaps -- or of ``RemoteTokens`` for a URL --, vocab
+  size)."""
+  if is_url(directory):
+    return _load_remote_shards(str(directory), split)
   d = pathlib.Path(directory)
   if not d.is_dir():
     raise DataError(f"shard directory {str(d)!r} does not exist")
@@ -187,166 +207,83 @@ def load_shards(directory: str | pathlib.Path, split: str) -> tuple[list[np.ndar
   return arrays, vocab
 
 
-SKIP_DIRS = (".git",)  # never descended into
-SKIP_SUFFIXES = (".pyc",)
+class RemoteTokens:
+  """One shard on an fsspec file system, read by byte ranges: ``arr[a:b]`` fetches tokens
+  ``[a, b)``; ``Windows`` fetches a batch's rows in one ``cat_ranges`` call."""
+
+  def __init__(self, fs, path: str, dtype: np.dtype, n: int):
+    self.fs, self.path, self.dtype, self.size = fs, path, dtype, n
+
+  def __getitem__(self, sl: slice) -> np.ndarray:
+    a, b, _ = sl.indices(self.size)
+    return self.read_many([(self, a, max(a, b))])[0]
+
+  @staticmethod
+  def read_many(parts: list) -> list[np.ndarray]:
+    """[(shard, first token, end token)] -> token arrays, one request batch per file system."""
+    if not parts:
+      return []
+    fs, k = parts[0][0].fs, parts[0][0].dtype.itemsize
+    blobs = fs.cat_ranges([p.path for p, _, _ in parts], [a * k for _, a, _ in parts],
+                          [b * k for _, _, b in parts])
+    for (p, _, _), blob in zip(parts, blobs):
+      if isinstance(blob, Exception):
+        raise DataError(f"token shard {p.fs.unstrip_protocol(p.path)!r} cannot be read "
+                        f"({blob})")
+    return [np.frombuffer(b, p.dtype) for (p, _, _), b in zip(parts, blobs)]
 
 
-def is_binary(data: bytes) -> bool:
-  """A file that is not text: it holds a NUL byte (git's rule) or is not valid UTF-8."""
-  if b"\0" in data:
-    return True
+def _load_remote_shards(url: str, split: str) -> tuple[list, int]:
+  """The shards of a split under a URL: headers checked as for local shards, tokens read on
+  demand (``RemoteTokens``)."""
   try:
-    data.decode("utf-8")
-  except UnicodeDecodeError:
-    return True
-  return False
-
-
-def input_files(inp: pathlib.Path) -> tuple[list[tuple[str, pathlib.Path]],
-                                            collections.Counter]:
-  """(relative path, path) of the input files, sorted, and counts of what was skipped
-  (``.git/`` directories and ``.git`` files, ``.pyc`` files; binary files are counted when
-  read)."""
-  skipped: collections.Counter = collections.Counter()
-  if inp.is_file():
-    return [(inp.name, inp)], skipped
-  if not inp.is_dir():
-    raise DataError(f"input {str(inp)!r} is neither a file nor a directory")
-  out = []
-  for root, dirs, names in os.walk(inp):
-    for d in [d for d in dirs if d in SKIP_DIRS]:
-      dirs.remove(d)
-      skipped[f"{d}/ directories"] += 1
-    for n in names:
-      p = pathlib.Path(root) / n
-      if n in SKIP_DIRS:  # a worktree's or submodule's .git file
-        skipped[f"{n} files"] += 1
-      elif p.suffix in SKIP_SUFFIXES:
-        skipped[f"{p.suffix} files"] += 1
-      elif p.is_file():
-        out.append((p.relative_to(inp).as_posix(), p))
-  return sorted(out), skipped
-
-
-def _documents(files: list, skipped: Optional[collections.Counter] = None) -> Iterator[bytes]:
-  """The text of each file, binary files left out (and counted in ``skipped``)."""
-  for _, p in files:
-    text = p.read_bytes()
-    if is_binary(text):
-      if skipped is not None:
-        skipped["binary files"] += 1
-      continue
-    yield text
-
-
-def _split_documents(files: list, skipped: collections.Counter) -> tuple[Callable, list[bytes]]:
-  """(train documents factory, validation documents). One file: its last ~5% of lines are
-  validation; a directory: the crc32 file rule of ``is_val``."""
-  if len(files) == 1:
-    text = files[0][1].read_bytes()
-    if is_binary(text):
-      raise DataError(f"input {str(files[0][1])!r} is a binary file (a NUL byte or not UTF-8)")
-    lines = text.splitlines(keepends=True)
-    cut = max(1, int(len(lines) * 0.95))
-    train, val = b"".join(lines[:cut]), b"".join(lines[cut:])
-    return (lambda skipped=None: iter([train])), [val] if val else []
-  sp = split_files(files)
-  return (lambda skipped=None: _documents(sp["train"], skipped)), list(
-      _documents(sp["val"], skipped))
-
-
-class _ShardWriter:
-  """Cuts a stream of token arrays into ``SPLIT_000.bin``, ``SPLIT_001.bin``, ..."""
-
-  def __init__(self, out: pathlib.Path, split: str, tok, shard_tokens: int):
-    for old in list(out.glob(f"{split}_*.bin")) + list(out.glob(f"{split}_*.json")):
-      old.unlink()
-    self.out, self.split, self.tok, self.size = out, split, tok, shard_tokens
-    self.buf: list[np.ndarray] = []
-    self.n = self.total = self.shards = 0
-
-  def add(self, arr: np.ndarray) -> None:
-    self.buf.append(arr)
-    self.n += arr.size
-    self.total += arr.size
-    while self.n >= self.size:
-      cat = np.concatenate(self.buf)
-      self._write(cat[:self.size])
-      self.buf, self.n = [cat[self.size:]], cat.size - self.size
-
-  def _write(self, toks: np.ndarray) -> None:
-    write_shard(self.out / f"{self.split}_{self.shards:03d}", toks, self.tok.vocab_size,
-                self.tok.name, separator=self.tok.sep)
-    self.shards += 1
-
-  def close(self) -> int:
-    if self.n or not self.shards:
-      self._write(np.concatenate(self.buf) if self.buf else np.zeros((0,), np.uint32))
-    return self.total
+    import fsspec
+  except ImportError:
+    raise DataError(f"data.path {url!r}: reading shards from a URL needs `fsspec` (and its "
+                    "gcsfs / s3fs backend)") from None
+  try:
+    fs, root = fsspec.core.url_to_fs(url)
+    bins = sorted(fs.glob(root.rstrip("/") + f"/{split}*.bin"))
+  except (ImportError, ValueError, OSError) as e:
+    raise DataError(f"data.path {url!r} cannot be listed ({e})") from None
+  if not bins:
+    raise DataError(f"shard directory {url!r} has no {split}*.bin files (or does not exist)")
+  arrays, vocab = [], 0
+  for b in bins:
+    name = fs.unstrip_protocol(b)
+    try:
+      head = json.loads(fs.cat_file(b[:-4] + ".json"))
+      dtype = np.dtype(head["dtype"]).newbyteorder("<")
+      n, v = int(head["num_tokens"]), int(head["vocab_size"])
+      size = fs.size(b)
+    except FileNotFoundError:
+      raise DataError(f"token shard header of {name!r} is missing (every .bin needs a .json "
+                      "header)") from None
+    except (ValueError, KeyError, TypeError) as e:
+      raise DataError(f"token shard header of {name!r} is corrupt ({e!r})") from None
+    if dtype.name not in ("uint16", "uint32") or size != n * dtype.itemsize:
+      raise DataError(f"token shard {name!r} is truncated or corrupt: {size} bytes, header "
+                      f"says {n} tokens of {dtype.name}")
+    arr = RemoteTokens(fs, b, dtype, n)
+    check_token_range(arr, v, name)
+    arrays.append(arr)
+    vocab = max(vocab, v)
+  return arrays, vocab
 
 
 def prepare(inp: str | pathlib.Path, out: str | pathlib.Path, tokenizer: str = "bytes",
-            shard_tokens: int = 1 << 28) -> dict:
-  """Tokenizes a text file or directory into shards; returns a summary dict.
-
-  Skips ``.git/``, ``.pyc`` and binary files (counted in ``summary["skipped"]``); refuses an
-  empty validation or training split. ``tokenizer`` is a spec of
-  :func:`scaleopt.train.tokenizers.from_spec` (``bytes``, ``bpe:VOCAB``, a tokenizer.json).
-  """
-  inp, out = pathlib.Path(inp), pathlib.Path(out)
-  files, skipped = input_files(inp)
-  if not files:
-    raise DataError(f"input {str(inp)!r} holds no usable files (skipped: {dict(skipped)})")
-  train_docs, val_docs = _split_documents(files, skipped)
-  if not any(val_docs):
-    raise DataError(
-        f"input {str(inp)!r}: the validation split would be empty (a directory's files go to "
-        "validation when crc32(relative path) % 20 == 0, a single file gives its last 5% of "
-        f"lines; {len(files)} files here); add files or lines")
-  try:
-    tok = tokenizers.from_spec(tokenizer, train_texts=train_docs)
-  except tokenizers.TokenizerError as e:
-    raise DataError(str(e)) from None
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "tokenizer.json").unlink(missing_ok=True)
-  tok.save(out)
-  summary = {"vocab_size": tok.vocab_size, "tokenizer": tok.name, "files": len(files)}
-  for split, docs in (("val", val_docs), ("train", train_docs(skipped))):
-    w = _ShardWriter(out, split, tok, shard_tokens)
-    for arr in tok.encode_docs(docs):
-      w.add(arr)
-    summary[f"{split}_tokens"] = w.close()
-  if summary["train_tokens"] == 0:
-    raise DataError(f"input {str(inp)!r}: the training split is empty")
-  summary["skipped"] = dict(skipped)
-  return summary
+            shard_tokens: Optional[int] = None, **options) -> dict:
+  """Tokenizes text, JSONL, Parquet or Arrow inputs into shards (:mod:`scaleopt.train.prepare`;
+  ``options``: the fields of its ``Options``); returns a summary dict."""
+  from scaleopt.train import prepare as prep
+  return prep.prepare(inp, out, tokenizer, shard_tokens, prep.Options(**options))
 
 
-def _check_prepare_args(inp: str, out: str) -> None:
-  """The paths, checked before anything is written (the tokenizer spec: ``prepare``)."""
-  if not pathlib.Path(inp).exists():
-    raise DataError(f"input {inp!r} does not exist")
-  if pathlib.Path(out).exists() and not pathlib.Path(out).is_dir():
-    raise DataError(f"--out {out!r} is a file, not a directory")
+def prepare_main(input: str, out: str, tokenizer: str = "bytes", **options) -> int:
+  """``scaleopt data prepare`` (:func:`scaleopt.train.prepare.main`): 0, or 2 on bad input."""
+  from scaleopt.train import prepare as prep
+  return prep.main(input, out, tokenizer, **options)
 
-
-def prepare_main(input: str, out: str, tokenizer: str = "bytes") -> int:
-  """``scaleopt data prepare``: tokenize and write shards; 0 on success, 2 on bad input (then
-  an output directory this call created is removed again)."""
-  created = not pathlib.Path(out).exists()
-  try:
-    _check_prepare_args(input, out)
-    s = prepare(input, out, tokenizer)
-  except (DataError, ValueError, OSError) as e:
-    if created and pathlib.Path(out).is_dir():
-      shutil.rmtree(out, ignore_errors=True)
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  skipped = ", ".join(f"{n} {what}" for what, n in sorted(s["skipped"].items()))
-  print(f"wrote {out}: {s['train_tokens']} train / {s['val_tokens']} val tokens from "
-        f"{s['files']} files, vocab {s['vocab_size']} ({s['tokenizer']})"
-        + (f"; skipped {skipped}" if skipped else ""))
-  return 0
 
 # ---------------------------------------------------------------------------------------------
 # The iterator.
@@ -369,8 +306,13 @@ class Windows:
     """Windows ``idx`` (int array) as int32 [len(idx), seq_len + 1]."""
     out = np.empty((idx.size, self.seq_len + 1), np.int32)
     shard = np.searchsorted(self.starts, idx, side="right") - 1
-    for r, (s, i) in enumerate(zip(shard, idx)):
-      o = (i - self.starts[s]) * self.seq_len
+    offsets = (idx - self.starts[shard]) * self.seq_len
+    if self.arrays and isinstance(self.arrays[0], RemoteTokens):  # one request batch
+      parts = [(self.arrays[s], o, o + self.seq_len + 1) for s, o in zip(shard, offsets)]
+      for r, row in enumerate(RemoteTokens.read_many(parts)):
+        out[r] = row
+      return out
+    for r, (s, o) in enumerate(zip(shard, offsets)):
       out[r] = self.arrays[s][o:o + self.seq_len + 1]
     return out
 

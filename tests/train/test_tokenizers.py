@@ -2,7 +2,6 @@
 
 import json
 import pathlib
-import zlib
 
 import numpy as np
 import pytest
@@ -13,13 +12,14 @@ tk = pytest.importorskip("tokenizers")
 from scaleopt.train import data as D
 from scaleopt.train import tokenizers as T
 from scaleopt.train.main import train_main
+from train_helpers import heldout
 
 
 def _name_in(split, i):
-  """A file name whose crc32 puts it in ``split`` (the fixed ~5% rule, from its definition)."""
+  """A file name whose hash puts it in ``split`` (the default 5% rule, from its definition)."""
   while True:
     name = f"f{i:03d}.txt"
-    if (zlib.crc32(name.encode()) % 20 == 0) == (split == "val"):
+    if heldout(name) == (split == "val"):
       return name, i + 1
     i += 1
 

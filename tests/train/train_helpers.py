@@ -1,5 +1,6 @@
 """Shared helpers for the training-system tests: small configs that compile fast on CPU."""
 
+import hashlib
 import collections
 import copy
 import functools
@@ -92,3 +93,11 @@ def val_unigram_entropy() -> float:
       n += len(b)
   p = np.array(list(counts.values()), np.float64) / n
   return float(-(p * np.log(p)).sum())
+
+
+def heldout(key: str | bytes, fraction: float = 0.05) -> bool:
+  """``data prepare``'s document split from its definition: the first 8 bytes of
+  blake2b(key), big-endian, below fraction * 2**64."""
+  key = key.encode() if isinstance(key, str) else key
+  return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(),
+                        "big") < fraction * 2**64
