@@ -18,6 +18,7 @@ from scaleopt.optim.sophia_lib import (ScaleBySophiaState, SophiaCurvature, scal
                                        sophia, sophia_bc)
 from scaleopt.optim.shampoo_lib import (ScaleByShampooState, ShampooPrecond, in_host_memory,
                                         scale_by_shampoo, shampoo, shampoo_bc)
+from scaleopt.optim.baselines import eval_params
 from scaleopt.optim.schedules import ScheduleConfig, make_schedule
 from scaleopt.optim.build import (OptimizerConfig, build, finite_updates, muon, names,
                                   register_optimizer)
@@ -33,5 +34,5 @@ __all__ = [
     "shampoo_bc",
     "ScheduleConfig", "make_schedule", "OptimizerConfig", "build", "finite_updates", "muon",
     "names",
-    "register_optimizer", "delta", "gnb",
+    "register_optimizer", "delta", "gnb", "eval_params",
 ]
