@@ -1,6 +1,6 @@
 """Lion, Adafactor and schedule-free AdamW: build's names follow optax's own implementations
 step for step, map the config's keys as documented, and train the tiny model below the byte-
-unigram entropy of the validation files."""
+unigram entropy of the validation files (SOAP too, through the trainer)."""
 
 import pathlib
 import sys
@@ -120,7 +120,7 @@ def test_bad_config_names_the_key(cfg, match):
 # One end-to-end run per optimizer through the trainer (one compile each; ~10-30 s on CPU):
 # the eval loss is the method's own (schedule-free's averaged point) on the validation files.
 @pytest.mark.parametrize("name, lr", [("lion", 2e-3), ("adafactor", 5e-2),
-                                      ("schedule_free_adamw", 1e-2)])
+                                      ("schedule_free_adamw", 1e-2), ("soap", 1e-2)])
 def test_trains_below_unigram_entropy(name, lr, tmp_path):
   from scaleopt.train import config as C, loop
   raw = tiny_raw(run={"steps": 100, "log_every": 50, "eval_every": 0, "eval_batches": 4,
