@@ -19,6 +19,7 @@ from scaleopt.optim.sophia_lib import (ScaleBySophiaState, SophiaCurvature, scal
 from scaleopt.optim.shampoo_lib import (ScaleByShampooState, ShampooPrecond, in_host_memory,
                                         scale_by_shampoo, shampoo, shampoo_bc)
 from scaleopt.optim.baselines import eval_params
+from scaleopt.optim.soap_lib import ScaleBySoapState, scale_by_soap, soap, soap_bc
 from scaleopt.optim.schedules import ScheduleConfig, make_schedule
 from scaleopt.optim.build import (OptimizerConfig, build, finite_updates, muon, names,
                                   register_optimizer)
@@ -34,5 +35,6 @@ __all__ = [
     "shampoo_bc",
     "ScheduleConfig", "make_schedule", "OptimizerConfig", "build", "finite_updates", "muon",
     "names",
-    "register_optimizer", "delta", "gnb", "eval_params",
+    "register_optimizer", "delta", "gnb", "eval_params", "ScaleBySoapState", "scale_by_soap",
+    "soap", "soap_bc",
 ]

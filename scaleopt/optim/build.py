@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaleopt.optim import adam_bc, baselines, shampoo_lib, soap, sophia_lib
+from scaleopt.optim import adam_bc, baselines, shampoo_lib, soap_lib, sophia_lib
 from scaleopt.optim.collect import (CollectorSpec, clip_by_global_norm, collector_options,
                                     collector_spec)
 from scaleopt.optim.schedules import ScheduleConfig, make_schedule
@@ -371,4 +371,6 @@ def _soap_factory(alias):
   return factory
 
 
-register_optimizer("soap", _soap_factory(soap.soap), extra_keys=_kwargs_of(soap.scale_by_soap))
+_SOAP_KEYS = _kwargs_of(soap_lib.scale_by_soap)
+register_optimizer("soap", _soap_factory(soap_lib.soap), extra_keys=_SOAP_KEYS)
+register_optimizer("soap_bc", _soap_factory(soap_lib.soap_bc), extra_keys=_SOAP_KEYS + COLLECTOR_KEYS)

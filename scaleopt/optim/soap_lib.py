@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import optax
 
 from scaleopt.optim import phases
+from scaleopt.optim.collect import (BCStats, CollectorSpec, StateHooks, Static,
+                                    register_bc_state)
 from scaleopt.optim.shampoo_lib import (PRECISIONS, _batched_by_size, _is_masked, _major_dims,
                                         _on_owner, blocking, eigh_damped, from_blocks,
                                         to_blocks)
@@ -58,11 +60,16 @@ class SoapFactors(NamedTuple):
 class ScaleBySoapState(NamedTuple):
   """count (calls so far); mu: momentum in the original space; nu: Adam second moment in the
   rotated basis (blocked (n_blocks, bs1, bs2) for tensors with a factor); factors:
-  {str(leaf index): SoapFactors}."""
+  {str(leaf index): SoapFactors}; plan: ``Static`` tuple of (leaf index, (Blocking, use_L,
+  use_R)) with the matmul precision first; spec: the ``CollectorSpec`` (static); hp: b1, b2, eps as arrays (the collector's
+  leave-one-out folds)."""
   count: jax.Array
   mu: PyTree
   nu: PyTree
   factors: dict
+  plan: Static
+  spec: Static
+  hp: dict
 
 
 def _plan(tree, exclude, max_dim, block_size, block_major, block_shards) -> dict:
@@ -148,20 +155,105 @@ def _init_leaf(x, p):
   return mu, nu, SoapFactors(l, r, l, r)
 
 
-def _direction(g, m, v, f, blk, c, hp):
-  """(U, m, v) of one leaf at call c >= 1 (see the module docstring)."""
-  m = hp["b1"] * m + (1 - hp["b1"]) * g
+def _fwd(x, f, blk, precision):
+  """x rotated into its tensor's basis (blocked), or x itself without a factor."""
+  return x if f is None else _rot(to_blocks(x, blk), f, False, precision)
+
+
+def _eps_hat(eps, bc2):
+  """SOAP's eps outside the bias correction, as an eps next to sqrt(v_hat):
+  m/(sqrt(v) + eps) sqrt(bc2)/bc1 = m_hat/(sqrt(v_hat) + eps/sqrt(bc2))."""
+  return eps / jnp.sqrt(bc2)
+
+
+def _direction(g, m, v, f, blk, c, hp, form):
+  """(U, m, v) of one leaf at call c >= 1. ``form``: ("std",) SOAP; ("ab", g_B): v from group
+  B's rotated mean; ("loo", first, third, var): the leave-one-out fold statistics."""
   prec = hp["precision"]
-  if f is None:
-    gr, mr = g, m
+  m = hp["b1"] * m + (1 - hp["b1"]) * g
+  bc1, bc2 = 1 - hp["b1"] ** c, 1 - hp["b2"] ** c
+  x = jnp.square(_fwd(form[1] if form[0] == "ab" else g, f, blk, prec))
+  v = hp["b2"] * v + (1 - hp["b2"]) * x
+  if form[0] == "loo":
+    _, first, third, var = form
+    u = first
+    if hp["correct"]:
+      u = first - hp["correction_scale"] * var * third
+      u = jnp.where(jnp.sign(u) != jnp.sign(first), 0.0, u)
   else:
-    gr, mr = (_rot(to_blocks(a, blk), f, False, prec) for a in (g, m))
-  v = hp["b2"] * v + (1 - hp["b2"]) * jnp.square(gr)
-  scale = jnp.sqrt(1 - hp["b2"] ** c) / (1 - hp["b1"] ** c)
-  u = scale * mr / (jnp.sqrt(v) + hp["eps"])
+    u = (_fwd(m, f, blk, prec) / bc1) / (jnp.sqrt(v / bc2) + _eps_hat(hp["eps"], bc2))
   if f is not None:
     u = from_blocks(_rot(u, f, True, prec), g.shape, blk)
   return u, m, v
+
+
+def soap_fold_fn(state: ScaleBySoapState, hp: dict) -> Callable:
+  """Leave-one-out fold terms in the rotated basis (the AdamW-BC folds of docs/optim.md per
+  rotated coordinate; the basis Q is the state's, built from earlier steps). For fold r with
+  G'_{-r} = (m G'_full - G'_r) / (m - 1), primes rotated (Q_L^T . Q_R):
+
+      m_hat_r = (b1 Q_L^T mu Q_R + (1 - b1) G'_r) / (1 - b1^t)
+      d_r     = sqrt((b2 v + (1 - b2) G'_{-r}^2) / (1 - b2^t)) + eps / sqrt(1 - b2^t)
+
+  returns ({"first": m_hat_r / d_r, "third": m_hat_r / d_r^3}, d_r) in the rotated (blocked)
+  shapes; t = max(count, 1) (the call-0 update is discarded)."""
+  prec, plan = state.plan.value
+  plan = dict(plan)
+  t = jnp.maximum(state.count, 1).astype(jnp.float32)
+  b1, b2 = hp["b1"], hp["b2"]
+  bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+  mu_l, td = jax.tree.flatten(state.mu, is_leaf=_is_masked)
+  nu_l = td.flatten_up_to(state.nu)
+  rot = lambda x, i: _fwd(x, state.factors.get(str(i)), plan.get(str(i), (None,))[0], prec)
+  mu_r = [None if _is_masked(x) else rot(x, i) for i, x in enumerate(mu_l)]
+
+  def fold(g_r, g_full, m):
+    out = []
+    for i, (gr, gf) in enumerate(zip(td.flatten_up_to(g_r), td.flatten_up_to(g_full))):
+      if mu_r[i] is None:
+        z = jnp.zeros((), jnp.float32)
+        out.append((z, z, z))
+        continue
+      gr, gf = rot(gr, i), rot(gf, i)
+      g_mr = (m * gf - gr) / (m - 1)
+      m_hat = (b1 * mu_r[i] + (1 - b1) * gr) / bc1
+      d = jnp.sqrt(jnp.maximum((b2 * nu_l[i] + (1 - b2) * g_mr * g_mr) / bc2, 0.0))
+      d = d + _eps_hat(hp["eps"], bc2)
+      out.append((m_hat / d, m_hat / (d * d * d), d))
+    un = lambda j: td.unflatten([o[j] for o in out])
+    return {"first": un(0), "third": un(1)}, un(2)
+
+  return fold
+
+
+register_bc_state(ScaleBySoapState, StateHooks(fold_fn=soap_fold_fn))
+
+
+MODES = ("std", "cf", "full")
+CROSSFITS = ("loo", "ab")
+
+
+def _collector_spec(mode, crossfit) -> CollectorSpec:
+  """std: no statistics; cf/full with loo: the folds (stateful); ab (cf only): groups A, B."""
+  if mode == "std":
+    return CollectorSpec(layout=None)
+  if crossfit == "ab":
+    return CollectorSpec(layout="ab")
+  return CollectorSpec(layout="loo", stateful=True)
+
+
+def _forms(mode, crossfit, st: Optional[BCStats], td):
+  """Per leaf, the ``form`` of ``_direction``, and the gradient that feeds the factors."""
+  if mode == "std":
+    return [("std",)] * td.num_leaves, None
+  if st is None:
+    raise ValueError(f"scale_by_soap(mode={mode!r}) needs bc_stats from scaleopt.optim.collect")
+  if crossfit == "ab":
+    return [("ab", b) for b in td.flatten_up_to(st.b.mean)], st.full
+  if st.loo is None:
+    raise ValueError("crossfit='loo' needs bc_stats from the 'loo' layout")
+  lo = [td.flatten_up_to(x) for x in (st.loo.mean["first"], st.loo.mean["third"], st.loo.var)]
+  return [("loo", *x) for x in zip(*lo)], None
 
 
 def scale_by_soap(
@@ -177,8 +269,15 @@ def scale_by_soap(
     block_major: Union[None, str, Callable[[PyTree], PyTree]] = None,
     block_shards: int = 1,
     matmul_precision: str = "highest",
-) -> optax.GradientTransformation:
+    mode: str = "std",
+    crossfit: str = "loo",
+    correction_scale: float = 1.0,
+) -> optax.GradientTransformationExtraArgs:
   """SOAP's scaling (module docstring); learning rate and weight decay come after it (``soap``).
+
+  ``update(g, state, params, *, bc_stats=None)``: ``mode="std"`` is SOAP and needs no
+  ``bc_stats``; ``cf``/``full`` read them from ``scaleopt.optim.collect`` (docs/optim_soap.md,
+  SOAP-BC).
 
   Args:
     b1, b2, eps: Adam's rates and epsilon in the rotated basis.
@@ -194,18 +293,33 @@ def scale_by_soap(
       under FSDP blocks lie on the device that holds their rows.
     matmul_precision: precision of the rotations and factor statistics (``PRECISIONS``);
       "highest" is float32 as in the authors' code.
+    mode: ``std`` (SOAP), ``cf`` (cross-fit: the rotated second moment from other
+      microbatches than the numerator) or ``full`` (cross-fit and the Jensen correction per
+      rotated coordinate; leave-one-out only).
+    crossfit: ``loo`` (leave-one-out folds; m, v from the full batch) or ``ab`` (m from group
+      A, v from group B's rotated mean; ``cf`` only).
+    correction_scale: multiplies the subtracted Var_r(d_r) m_hat_r / d_r^3 term (``full``).
   """
   check_choice("matmul_precision", matmul_precision, PRECISIONS)
+  check_choice("mode", mode, MODES)
+  check_choice("crossfit", crossfit, CROSSFITS)
+  if mode == "full" and crossfit == "ab":
+    raise ValueError("mode='full' with crossfit='ab' needs the variance of rotated group means, "
+                     "which the collector does not provide; use crossfit='loo' or mode='cf'")
   for name, v in (("precondition_frequency", precondition_frequency),
                   ("max_precond_dim", max_precond_dim), ("block_shards", block_shards),
                   ("block_size", 1 if block_size is None else block_size)):
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
       raise ValueError(f"{name}={v!r} must be an integer >= 1")
   sb = b2 if shampoo_beta is None else shampoo_beta
-  hp = dict(b1=b1, b2=b2, eps=eps, precision=matmul_precision)
+  hp = dict(b1=b1, b2=b2, eps=eps, precision=matmul_precision, correct=mode == "full",
+            correction_scale=correction_scale)
+  spec = _collector_spec(mode, crossfit)
+  hp_arrays = lambda: {k: jnp.asarray(hp[k], jnp.float32) for k in ("b1", "b2", "eps")}
   plan_of = functools.partial(_plan, exclude=exclude, max_dim=max_precond_dim,
                               block_size=block_size, block_major=block_major,
                               block_shards=block_shards)
+  static = lambda plan: Static((matmul_precision, tuple(sorted(plan.items()))))
 
   def init_fn(params):
     plan = plan_of(params)
@@ -213,52 +327,67 @@ def scale_by_soap(
     out = [_init_leaf(x, plan.get(str(i))) for i, x in enumerate(leaves)]
     fac = {str(i): o[2] for i, o in enumerate(out) if o[2] is not None}
     return ScaleBySoapState(jnp.zeros([], jnp.int32), td.unflatten([o[0] for o in out]),
-                            td.unflatten([o[1] for o in out]), fac)
+                            td.unflatten([o[1] for o in out]), fac, static(plan),
+                            Static(spec), hp_arrays())
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     del params
     plan = plan_of(updates)
     g_l, td = jax.tree.flatten(updates, is_leaf=_is_masked)
+    forms, stat_g = _forms(mode, crossfit, bc_stats, td)
+    stat_l = g_l if stat_g is None else td.flatten_up_to(stat_g)
     m_l, v_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
     c = state.count
-    cf = c.astype(jnp.float32)
     u_l, m_new, v_new = list(g_l), list(m_l), {}
     for i, g in enumerate(g_l):
       if _is_masked(g):
         continue
       k = str(i)
-      p = plan.get(k)
-      f, blk = state.factors.get(k), (None if p is None else p[0])
-      u, m, v = _direction(g.astype(jnp.float32), m_l[i], v_l[i], f, blk, cf, hp)
+      f, blk = state.factors.get(k), plan.get(k, (None,))[0]
+      u, m, v = _direction(g.astype(jnp.float32), m_l[i], v_l[i], f, blk,
+                           c.astype(jnp.float32), hp, forms[i])
       first = c == 0  # the first call only builds the basis
       u_l[i] = jnp.where(first, 0.0, u).astype(g.dtype)
       m_new[i], v_new[k] = jnp.where(first, m_l[i], m), jnp.where(first, v_l[i], v)
-    fac = {k: _ema_factors(f, to_blocks(g_l[int(k)].astype(jnp.float32), plan[k][0]), sb,
+    fac = {k: _ema_factors(f, to_blocks(stat_l[int(k)].astype(jnp.float32), plan[k][0]), sb,
                            matmul_precision) for k, f in state.factors.items()}
-    nu_fac = {k: v_new[k] for k in fac}
-
-    def refresh(fac, nu):
-      return jax.lax.cond(c == 0, lambda: (_first_bases(fac), nu),
-                          lambda: _sorted_power_step(fac, nu, matmul_precision))
-
-    fac, nu_fac = phases.cond(phases.due(c, precondition_frequency), refresh,
-                              lambda fac, nu: (fac, nu), fac, nu_fac)
+    fac, nu_fac = _refresh(c, fac, {k: v_new[k] for k in fac}, precondition_frequency,
+                           matmul_precision)
     v_new.update(nu_fac)
-    fac = {k: SoapFactors(*[None if a is None else _on_owner(a) for a in f])
-           for k, f in fac.items()}
     v_l = [v_l[i] if _is_masked(g) else v_new[str(i)] for i, g in enumerate(g_l)]
-    return (td.unflatten(u_l), ScaleBySoapState(optax.safe_increment(c), td.unflatten(m_new),
-                                                td.unflatten(v_l), fac))
+    return (td.unflatten(u_l),
+            state._replace(count=optax.safe_increment(c), mu=td.unflatten(m_new),
+                           nu=td.unflatten(v_l), factors=fac, hp=hp_arrays()))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _refresh(c, fac, nu, every, precision):
+  """On due calls: the first bases (c = 0) or a sorted power step; factors kept on their
+  owners."""
+  def refresh(fac, nu):
+    return jax.lax.cond(c == 0, lambda: (_first_bases(fac), nu),
+                        lambda: _sorted_power_step(fac, nu, precision))
+
+  fac, nu = phases.cond(phases.due(c, every), refresh, lambda fac, nu: (fac, nu), fac, nu)
+  own = lambda a: None if a is None else _on_owner(a)
+  return {k: SoapFactors(*map(own, f)) for k, f in fac.items()}, nu
 
 
 def soap(learning_rate: optax.ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0.95,
          eps: float = 1e-8, weight_decay: float = 0.01, *,
          mask: Optional[Union[PyTree, Callable[[PyTree], PyTree]]] = None,
-         **kwargs) -> optax.GradientTransformation:
+         **kwargs) -> optax.GradientTransformationExtraArgs:
   """SOAP with decoupled weight decay, theta <- theta (1 - lr wd) - lr U (the paper's
   defaults: lr 3e-3, betas (0.95, 0.95), wd 0.01); ``kwargs``: ``scale_by_soap``'s."""
   return optax.chain(scale_by_soap(b1, b2, eps, **kwargs),
                      optax.add_decayed_weights(weight_decay, mask),
                      optax.scale_by_learning_rate(learning_rate))
+
+
+def soap_bc(learning_rate: optax.ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0.95,
+            eps: float = 1e-8, weight_decay: float = 0.01, *, mode: str = "full",
+            **kwargs) -> optax.GradientTransformationExtraArgs:
+  """``soap`` with ``mode="full"`` (leave-one-out cross-fit and the Jensen correction in the
+  rotated basis) by default."""
+  return soap(learning_rate, b1, b2, eps, weight_decay, mode=mode, **kwargs)
