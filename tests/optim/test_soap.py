@@ -168,16 +168,18 @@ def _orth(n, seed):
   return np.linalg.qr(np.random.default_rng(seed).normal(size=(n, n)))[0]
 
 
-def test_soap_bc_loo_is_adamw_bc_loo_in_the_rotated_basis():
-  """With the state's basis Q, soap_bc's update is Q_L u' Q_R^T, u' the update of
-  adamw_bc (LOO, full) run on the rotated microbatch gradients Q_L^T G_j Q_R with the rotated
-  momentum (eps: SOAP's eps / sqrt(1 - b2^t)); per coordinate."""
+@pytest.mark.parametrize("mode, crossfit", [("full", "loo"), ("cf", "loo"), ("cf", "ab")])
+def test_soap_bc_is_adamw_bc_in_the_rotated_basis(mode, crossfit):
+  """With the state's basis Q, soap_bc's update is Q_L u' Q_R^T, u' the update of adamw_bc
+  (same mode and cross-fit) run on the rotated microbatch gradients Q_L^T G_j Q_R with the
+  rotated momentum (eps: SOAP's eps / sqrt(1 - b2^t)); per coordinate."""
   d1, d2, m, c, b1, b2, eps = 4, 3, 6, 3, 0.9, 0.8, 1e-3
   rng = np.random.default_rng(0)
   ql, qr = _orth(d1, 1), _orth(d2, 2)
   mu, nu = rng.normal(size=(d1, d2)), rng.uniform(0.5, 1.5, size=(d1, d2))
   g = rng.normal(size=(m, d1, d2)) + rng.normal(size=(d1, d2))
-  tx = optim.soap_bc(1.0, b1, b2, eps, 0.0, precondition_frequency=100)
+  tx = optim.soap_bc(1.0, b1, b2, eps, 0.0, precondition_frequency=100, mode=mode,
+                     crossfit=crossfit)
   params = {"w": jnp.zeros((d1, d2))}
   st = _bc_state(tx, params, c, ql, qr, jnp.asarray(mu, jnp.float32),
                  jnp.asarray(nu, jnp.float32))
@@ -185,8 +187,8 @@ def test_soap_bc_loo_is_adamw_bc_loo_in_the_rotated_basis():
   u = -np.asarray(tx.update(stats.numerator, st, params, bc_stats=stats)[0]["w"])
 
   rot = lambda x: ql.T @ x @ qr
-  ref_tx = optim.scale_by_adam_bc(b1, b2, eps / np.sqrt(1 - b2 ** c), mode="full",
-                                  crossfit="loo")
+  ref_tx = optim.scale_by_adam_bc(b1, b2, eps / np.sqrt(1 - b2 ** c), mode=mode,
+                                  crossfit=crossfit)
   p = {"w": jnp.zeros((d1, d2))}
   rs = ref_tx.init(p)._replace(count=jnp.asarray(c - 1, jnp.int32),
                                mu={"w": jnp.asarray(rot(mu), jnp.float32)},

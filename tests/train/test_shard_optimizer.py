@@ -41,7 +41,8 @@ def nbytes(tree, shardings):
                  for x, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))))
 
 def run(name, shard, out):
-  raw = tiny_raw(mesh={"data": 8, "shard_optimizer": shard}, optimizer={"name": name})
+  sched = {"schedule": {"kind": "constant"}} if name == "schedule_free_adamw" else {}
+  raw = tiny_raw(mesh={"data": 8, "shard_optimizer": shard}, optimizer={"name": name, **sched})
   fns, state, step, batches = compiled_steps(raw)
   init = jax.device_get(state.params)
   ma = step.memory_analysis()
