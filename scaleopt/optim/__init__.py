@@ -1,6 +1,7 @@
 """Optax transforms for bias-corrected preconditioned optimizers (no Flax imports).
 
-Aliases in optax style (``adamw_bc``, ``sophia``, ``sophia_bc``, ``shampoo``, ``shampoo_bc``),
+Aliases in optax style (``adamw_bc``, ``sophia``, ``sophia_bc``, ``shampoo``, ``shampoo_bc``,
+``soap``, ``soap_bc``; optax's Lion, Adafactor and schedule-free AdamW through ``build``),
 their ``scale_by_*`` blocks, and ``collect``, which derives the per-microbatch statistics a
 chain needs from its optimizer state. ``build(config)`` makes a chain from a config through a
 registry (``register_optimizer``).

@@ -24,7 +24,12 @@ the first basis and QR power iteration after, the descending sort that permutes 
 (not rotated) across basis changes, the bias correction sqrt(1 - b2^c) / (1 - b1^c) applied
 outside eps. The authors keep m in the rotated basis and rotate it back and forth on every
 change of basis; m kept in the original space is the same momentum (Q is orthogonal) with
-two matmuls less per step. See docs/optim_soap.md.
+two matmuls less per step.
+
+SOAP-BC (``mode="cf"``/``"full"``, alias ``soap_bc``): the rotated second moment with the
+cross-fit and Jensen correction of AdamW-BC per rotated coordinate, from leave-one-out folds
+(``soap_fold_fn``, the collector's fold protocol) or A/B groups (``cf``). See
+docs/optim_soap.md.
 """
 
 from __future__ import annotations
