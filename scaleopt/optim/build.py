@@ -373,4 +373,5 @@ def _soap_factory(alias):
 
 _SOAP_KEYS = _kwargs_of(soap_lib.scale_by_soap)
 register_optimizer("soap", _soap_factory(soap_lib.soap), extra_keys=_SOAP_KEYS)
-register_optimizer("soap_bc", _soap_factory(soap_lib.soap_bc), extra_keys=_SOAP_KEYS + COLLECTOR_KEYS)
+register_optimizer("soap_bc", _soap_factory(soap_lib.soap_bc),
+                   extra_keys=_SOAP_KEYS + COLLECTOR_KEYS)

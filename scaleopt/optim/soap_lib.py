@@ -65,9 +65,9 @@ class SoapFactors(NamedTuple):
 class ScaleBySoapState(NamedTuple):
   """count (calls so far); mu: momentum in the original space; nu: Adam second moment in the
   rotated basis (blocked (n_blocks, bs1, bs2) for tensors with a factor); factors:
-  {str(leaf index): SoapFactors}; plan: ``Static`` tuple of (leaf index, (Blocking, use_L,
-  use_R)) with the matmul precision first; spec: the ``CollectorSpec`` (static); hp: b1, b2, eps as arrays (the collector's
-  leave-one-out folds)."""
+  {str(leaf index): SoapFactors}; plan: ``Static`` (matmul precision, ((leaf index, (Blocking,
+  use_L, use_R)), ...)); spec: the ``CollectorSpec`` (static); hp: b1, b2, eps as arrays (the
+  collector's leave-one-out folds)."""
   count: jax.Array
   mu: PyTree
   nu: PyTree
