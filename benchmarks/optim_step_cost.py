@@ -51,6 +51,11 @@ CONFIGS = {
                                                      mode="full", rolling_b=True, **F32)),
     "sophia": dict(name="sophia", extra=dict(k=10)),
     "sophia_bc": dict(name="sophia_bc", extra=dict(k=10, mode="full", rolling_b=True)),
+    # SOAP: the paper's form (bases every 10 steps, float32 rotations); SOAP-BC: leave-one-out
+    # over the 4 microbatches with the Jensen correction
+    "soap": dict(name="soap"),
+    "soap_high": dict(name="soap", extra=dict(matmul_precision="high")),
+    "soap_bc": dict(name="soap_bc"),
 }
 
 

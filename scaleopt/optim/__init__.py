@@ -1,6 +1,7 @@
 """Optax transforms for bias-corrected preconditioned optimizers (no Flax imports).
 
-Aliases in optax style (``adamw_bc``, ``sophia``, ``sophia_bc``, ``shampoo``, ``shampoo_bc``),
+Aliases in optax style (``adamw_bc``, ``sophia``, ``sophia_bc``, ``shampoo``, ``shampoo_bc``,
+``soap``, ``soap_bc``; optax's Lion, Adafactor and schedule-free AdamW through ``build``),
 their ``scale_by_*`` blocks, and ``collect``, which derives the per-microbatch statistics a
 chain needs from its optimizer state. ``build(config)`` makes a chain from a config through a
 registry (``register_optimizer``).
@@ -18,6 +19,8 @@ from scaleopt.optim.sophia_lib import (ScaleBySophiaState, SophiaCurvature, scal
                                        sophia, sophia_bc)
 from scaleopt.optim.shampoo_lib import (ScaleByShampooState, ShampooPrecond, in_host_memory,
                                         scale_by_shampoo, shampoo, shampoo_bc)
+from scaleopt.optim.baselines import eval_params
+from scaleopt.optim.soap_lib import ScaleBySoapState, scale_by_soap, soap, soap_bc
 from scaleopt.optim.schedules import ScheduleConfig, make_schedule
 from scaleopt.optim.build import (OptimizerConfig, build, finite_updates, muon, names,
                                   register_optimizer)
@@ -33,5 +36,6 @@ __all__ = [
     "shampoo_bc",
     "ScheduleConfig", "make_schedule", "OptimizerConfig", "build", "finite_updates", "muon",
     "names",
-    "register_optimizer", "delta", "gnb",
+    "register_optimizer", "delta", "gnb", "eval_params", "ScaleBySoapState", "scale_by_soap",
+    "soap", "soap_bc",
 ]

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaleopt.optim import adam_bc, shampoo_lib, sophia_lib
+from scaleopt.optim import adam_bc, baselines, shampoo_lib, soap_lib, sophia_lib
 from scaleopt.optim.collect import (CollectorSpec, clip_by_global_norm, collector_options,
                                     collector_spec)
 from scaleopt.optim.schedules import ScheduleConfig, make_schedule
@@ -348,3 +348,30 @@ def muon(lr, beta=0.95, eps=1e-8, weight_decay=0.1, wd_mask=None, sparse_filter=
   return optax.chain(optax.partition({"muon": branch, "adam": adam}, labels),
                      optax.add_decayed_weights(weight_decay, wd_mask),
                      optax.scale_by_learning_rate(lr))
+
+
+# optax's own Lion, Adafactor and schedule-free AdamW (``scaleopt.optim.baselines``)
+register_optimizer("lion", baselines.lion, extra_keys=("mu_dtype",))
+register_optimizer("adafactor", baselines.adafactor, extra_keys=_kwargs_of(
+    optax.adafactor, "momentum", "weight_decay_rate", "weight_decay_mask"))
+register_optimizer("schedule_free_adamw", baselines.schedule_free_adamw,
+                   extra_keys=("weight_lr_power", "state_dtype"))
+
+
+def _soap_factory(alias):
+  def factory(cfg, lr, *, wd_mask, sparse_filter, shard_dims=None):
+    """SOAP on every matrix, embeddings included, as in the paper (one-sided beyond
+    ``max_precond_dim``); the paper's betas (0.95, 0.95) and eps 1e-8 unless set."""
+    del sparse_filter
+    ex = dict(cfg.extra)
+    if shard_dims is not None and ex.get("block_major") is None:
+      ex["block_major"] = shard_dims
+    b = {"b1": 0.95, "b2": 0.95, "eps": 1e-8, **cfg.betas()}
+    return alias(lr, **b, weight_decay=cfg.weight_decay, mask=wd_mask, **ex)
+  return factory
+
+
+_SOAP_KEYS = _kwargs_of(soap_lib.scale_by_soap)
+register_optimizer("soap", _soap_factory(soap_lib.soap), extra_keys=_SOAP_KEYS)
+register_optimizer("soap_bc", _soap_factory(soap_lib.soap_bc),
+                   extra_keys=_SOAP_KEYS + COLLECTOR_KEYS)

@@ -691,7 +691,8 @@ def _run(cfg, s, state, step, feed, step0, log, meter, prof, save, evaluate, is_
       if peak_all and tps == tps:
         row["mfu"] = tps * flops_per_token / peak_all
       if is_eval:
-        row["eval_loss"] = res.eval_loss = evaluate(state.params)
+        row["eval_loss"] = res.eval_loss = evaluate(
+            optim.eval_params(state.opt_state, state.params))
         meter.pause_done()
       log.write(row)
       log.flush()
@@ -713,7 +714,7 @@ def _run(cfg, s, state, step, feed, step0, log, meter, prof, save, evaluate, is_
     res.phase_shifts = step.shifts
   prof.close(state.step)
   if res.done == step0:  # nothing left to train (resuming a finished run)
-    res.eval_loss = evaluate(state.params)
+    res.eval_loss = evaluate(optim.eval_params(state.opt_state, state.params))
   # Always the final / interrupted state; after a non-finite stop only if it did not blow up
   # (a stopped state is never healthy, so the newest healthy checkpoint is kept either way).
   res.stop_saved = save(state, res.done, only_if_sound=res.stopped is not None)
