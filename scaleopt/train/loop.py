@@ -253,7 +253,7 @@ class Compiled:
   init: Any  # () -> TrainState
   init_with: Any  # params -> TrainState (step 0, optimizer state for these parameters)
   train_step: Any  # (state, batch) -> (state, metrics); state donated
-  eval_step: Any  # (params, tokens [B, T+1]) -> mean CE
+  eval_step: Any  # (params, tokens [m, b, T+1]) -> per-window CE [m, b], replicated
   state_shape: Any  # TrainState of ShapeDtypeStruct
   state_sh: Any
   batch_sh: Any
@@ -312,9 +312,40 @@ def compile_fns(s: Setup) -> Compiled:
       init_with=jax.jit(lambda p: init_fn()._replace(params=p, opt_state=s.tx.init(p)),
                         in_shardings=(param_sh,), out_shardings=state_sh),
       train_step=jax.jit(step_fn, **step_kw),
-      eval_step=jax.jit(step_lib.make_eval_step(s.model), in_shardings=(param_sh, eval_sh)),
+      eval_step=jax.jit(step_lib.make_eval_step(s.model), in_shardings=(param_sh, batch_sh),
+                        out_shardings=mesh_lib.replicated(mesh)),
       state_shape=state_shape, state_sh=state_sh, batch_sh=batch_sh, eval_sh=eval_sh,
       phased=phased)
+
+
+def eval_microbatch(cfg: TrainConfig) -> int:
+  """Windows per evaluation microbatch: the training microbatch's sequences."""
+  return cfg.data.batch_size // cfg.data.microbatches
+
+
+def make_evaluate(cfg: TrainConfig, fns: Compiled, ev: Optional[data.EvalSet],
+                  is_main: bool = True):
+  """``evaluate(params) -> mean CE over the evaluation set`` (NaN without one): its windows
+  put on the devices once, in microbatches of ``eval_microbatch(cfg)``."""
+  if ev is None:
+    return lambda params: float("nan")
+  want = cfg.run.eval_tokens // cfg.data.seq_len
+  if want > ev.n and is_main:
+    print(f"note: run.eval_tokens={cfg.run.eval_tokens} asks for {want} windows of "
+          f"seq_len={cfg.data.seq_len}; the held-out split holds {ev.n}, evaluating on all "
+          "of them", file=sys.stderr)
+  size = eval_microbatch(cfg)
+  toks, _ = ev.microbatches(size, jax.process_index(), jax.process_count())
+  toks = _put(fns.batch_sh, toks, (toks.shape[0], size, cfg.data.seq_len + 1))
+  return lambda params: float(ev.mean(jax.device_get(fns.eval_step(params, toks))))
+
+
+def eval_identity(ev: Optional[data.EvalSet]) -> dict:
+  """The summary's record of the evaluation set (``eval_set``: its hash; runs compare only
+  where it is equal)."""
+  if ev is None:
+    return {"eval_set": None, "eval_windows": 0}
+  return {"eval_set": ev.ident, "eval_windows": ev.n}
 
 
 class _Meter:
@@ -385,15 +416,14 @@ def dry_run(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False)
   fns = compile_fns(s)
   d = cfg.data
   jax.eval_shape(fns.train_step, fns.state_shape, abstract_batch(s))
-  jax.eval_shape(fns.eval_step, fns.state_shape.params,
-                 jax.ShapeDtypeStruct((d.batch_size, d.seq_len + 1), np.int32))
-  n_eval, warn = data.fit_eval_batches(s.val_w, d.batch_size, cfg.run.eval_batches)
-  if warn:
-    print(f"warning: {warn}", file=sys.stderr)
+  ev = data.eval_set(s.val_w, cfg.run.eval_tokens)
+  if ev is not None:
+    jax.eval_shape(fns.eval_step, fns.state_shape.params, jax.ShapeDtypeStruct(
+        (-(-ev.n // eval_microbatch(cfg)), eval_microbatch(cfg), d.seq_len + 1), np.int32))
   extra = f"; resumable changes: {', '.join(changes)}" if changes else ""
   return (f"config ok: {models.count_params(s.model.cfg):,} parameters, optimizer "
           f"{cfg.optimizer['name']} ({s.spec.layout}), {s.train_w.n:,} training windows, "
-          f"{n_eval} eval batches, mesh {dict(s.mesh.shape)}{extra}")
+          f"{ev.n if ev else 0} eval windows, mesh {dict(s.mesh.shape)}{extra}")
 
 
 def _start_outputs(cfg: TrainConfig, out: pathlib.Path, resuming: bool) -> None:
@@ -440,9 +470,6 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
   s = s or setup(cfg)
   r, d = cfg.run, cfg.data
   is_main = jax.process_index() == 0
-  n_eval, warn = data.fit_eval_batches(s.val_w, d.batch_size, r.eval_batches)
-  if warn and is_main:
-    print(f"warning: {warn}", file=sys.stderr)
   fns = compile_fns(s)
 
   # Data: training batches in the optimizer's layout, a fixed held-out set on the devices.
@@ -450,13 +477,8 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
   it = data.Batches(s.train_w, d.batch_size, d.microbatches, groups=s.spec.num_groups,
                     rolling_b=s.spec.layout == "rolling_b", seed=r.seed, process_index=pi,
                     process_count=pc)
-  evals = [_put(fns.eval_sh, b, (d.batch_size, d.seq_len + 1))
-           for b in data.eval_batches(s.val_w, d.batch_size, n_eval, pi, pc)]
-
-  def evaluate(params) -> float:
-    if not evals:
-      return float("nan")
-    return float(np.mean(jax.device_get([fns.eval_step(params, b) for b in evals])))
+  ev = data.eval_set(s.val_w, r.eval_tokens)
+  evaluate = make_evaluate(cfg, fns, ev, is_main)
 
   health = jax.jit(lambda st: (st.consec, optax.tree.norm(st.params)))
   start, state, ckpt = _restore_or_init(cfg, s, fns, it, out, resume, health)
@@ -491,7 +513,7 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
       feed.close()
     log.close()
     ckpt.close()
-  summary = _summary(cfg, s, res, meter, start)
+  summary = {**_summary(cfg, s, res, meter, start), **eval_identity(ev)}
   if is_main:
     metrics.write_summary(out, summary)
     if r.plot:

@@ -118,7 +118,7 @@ def test_fine_tune_from_hf_weights_with_adamw_bc_then_export(tmp_path, capsys):
   run = tmp_path / "run"
   cfg = tmp_path / "ft.yaml"
   body = {
-      "run": {"steps": 3, "log_every": 1, "eval_every": 0, "eval_batches": 1,
+      "run": {"steps": 3, "log_every": 1, "eval_every": 0, "eval_tokens": 256,
               "checkpoint_every": 0, "progress": False, "plot": False},
       "model": {"preset": "tiny", "vocab_size": 96, "d_model": 32, "n_layers": 2,
                 "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "qkv_bias": True,
