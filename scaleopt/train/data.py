@@ -28,6 +28,10 @@ tokens (stride ``seq_len``; windows never cross a shard boundary). Epoch ``e`` v
 windows in the order ``default_rng([seed, e]).permutation``; chunk ``k`` is global sequences
 ``[k C, (k+1) C)`` of that endless order. The iterator state is the next chunk index, so the
 same seed gives the same batches and resuming is exact. Each process reads only its rows.
+
+Evaluation: ``eval_set`` picks a fixed list of validation windows by the data alone (a fixed
+permutation, never the batch size or a run's seed) and hashes it; ``heldout_part`` cuts the
+validation split by document into the ``val`` and ``test`` parts studies use.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import pathlib
 import queue
+import re
 import signal
 import sys
 import tempfile
@@ -41,6 +42,43 @@ class SkipLimit(RuntimeError):
 
 class Interrupted(RuntimeError):
   """SIGTERM / SIGINT (preemption, Ctrl-C): the state was checkpointed, resume with --resume."""
+
+
+class OutOfMemory(RuntimeError):
+  """The device ran out of memory compiling or running a step; the message is one line with
+  the bytes asked for, the device's limit and the settings that lower them."""
+
+
+_GIB = 2.0 ** 30
+_SIZE = r"([0-9.]+)\s*([KMGT]i?B?|bytes|B)"
+
+
+def _bytes(num: str, unit: str) -> float:
+  return float(num) * 1024 ** "BKMGT".index(unit[0] if unit[0] in "KMGT" else "B")
+
+
+def out_of_memory(e: BaseException, cfg: TrainConfig) -> Optional[OutOfMemory]:
+  """The one-line OutOfMemory for an XLA ``RESOURCE_EXHAUSTED`` / out-of-memory error (None
+  for any other error). Reads the bytes asked for from the message (XLA's GPU and CPU runtimes
+  say "allocate N bytes", its TPU compiler "Used X of Y hbm") and the limit from the message
+  or the device's memory pool."""
+  text = str(e)
+  if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+    return None
+  m = (re.search(r"allocat\w*(?:\s+request\s+for)?\s+" + _SIZE, text)
+       or re.search(r"[Uu]sed\s+" + _SIZE, text))
+  asked = f"{_bytes(*m.groups()) / _GIB:.2f} GiB" if m else "an unreported amount"
+  lim = re.search(r"[Uu]sed\s+[0-9.]+\s*\S+\s+of\s+" + _SIZE, text)
+  pool = _bytes(*lim.groups()) if lim else _pool_bytes()
+  limit = f"{pool / _GIB:.2f} GiB" if pool else "unknown"
+  d, mdl = cfg.data, bridge.model_config(cfg.model)
+  return OutOfMemory(
+      f"out of device memory: the step asked for {asked}, the device's limit is {limit}; "
+      f"lower it with more data.microbatches (now {d.microbatches}: data.batch_size="
+      f"{d.batch_size} in smaller pieces, also the evaluation's), model.remat (now "
+      f"{mdl.remat!r}; 'full' keeps the fewest activations), mesh.fsdp (now {cfg.mesh.fsdp}; "
+      f"parameters and optimizer state split over that many devices) or run.eval_tokens (now "
+      f"{cfg.run.eval_tokens}; the held-out set kept on the devices)")
 
 
 class _Signals:
@@ -448,7 +486,13 @@ def train(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False,
   # Join a multi-process run first: its preemption notifier then owns SIGTERM (``_Signals``).
   mesh_lib.maybe_initialize_distributed(cfg.mesh.distributed)
   with _Signals() as sig:  # from the start: a signal during set-up stops after the first step
-    return _train(cfg, out_dir, resume, s, sig)
+    try:
+      return _train(cfg, out_dir, resume, s, sig)
+    except Exception as e:  # noqa: BLE001 -- only out-of-memory is translated, the rest re-raises
+      oom = out_of_memory(e, cfg)
+      if oom is None:
+        raise
+    raise oom  # outside the handler: no chained traceback, the step's arrays are freed
 
 
 @dataclasses.dataclass
