@@ -26,7 +26,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from scaleopt import models, optim
-from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data,
+from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data, identity,
                             mesh as mesh_lib, metrics, phased as phased_lib, step as step_lib)
 from scaleopt.train.config import ConfigError, TrainConfig, dump_config
 
@@ -446,11 +446,22 @@ def check_out_dir(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool) -
   return config_lib.check_resume(cfg, out) if has_ckpts else {}
 
 
+def data_record(cfg: TrainConfig, out: pathlib.Path, resume: bool) -> dict:
+  """What the run trains on (``identity.describe``); resuming a run that has checkpoints, the
+  record it wrote when it started must match (else a one-line ConfigError)."""
+  record = identity.describe(cfg)
+  ck = pathlib.Path(out) / "checkpoints"
+  if resume and ck.is_dir() and any(ck.iterdir()):
+    identity.check(pathlib.Path(out), record)
+  return record
+
+
 def dry_run(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False) -> str:
   """Every check a real run makes before its first step, and the traced (not compiled) step;
   writes nothing. Returns a one-line description."""
   changes = check_out_dir(cfg, out_dir, resume)
   s = setup(cfg)
+  data_record(cfg, out_dir, resume)
   fns = compile_fns(s)
   d = cfg.data
   jax.eval_shape(fns.train_step, fns.state_shape, abstract_batch(s))
@@ -512,6 +523,7 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
   out = pathlib.Path(out_dir)
   changes = check_out_dir(cfg, out, resume)
   s = s or setup(cfg)
+  record = data_record(cfg, out, resume)
   r, d = cfg.run, cfg.data
   is_main = jax.process_index() == 0
   fns = compile_fns(s)
@@ -527,6 +539,8 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
   health = jax.jit(lambda st: (st.consec, optax.tree.norm(st.params)))
   start, state, ckpt = _restore_or_init(cfg, s, fns, it, out, resume, health)
   step0 = int(jax.device_get(state.step))
+  if is_main and start is None:
+    identity.write(out, record)
   if is_main and changes:
     config_lib.record_changes(out, changes, step0)
     print("resuming with changed " + ", ".join(f"{k} ({a!r} -> {b!r})" for k, (a, b) in
@@ -623,7 +637,8 @@ def _restore_or_init(cfg: TrainConfig, s: Setup, fns: Compiled, it: data.Batches
     print(f"resumed from {ckpt_dir}/{start}", file=sys.stderr)
     return start, state, ckpt
   if resume:
-    print(f"no checkpoint in {ckpt_dir}; starting from scratch", file=sys.stderr)
+    print(f"note: --resume: {ckpt_dir} holds no checkpoint; starting a new run at step 0",
+          file=sys.stderr)
   if s.model.init_from:  # a fresh run from given parameters, fresh optimizer state
     state = fns.init_with(convert.init_params(s.model.init_from, s.model.cfg,
                                               fns.state_sh.params))
