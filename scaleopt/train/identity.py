@@ -96,7 +96,7 @@ def _first_change(old: dict, now: dict) -> Optional[str]:
         return f"{name} is gone"
       if name not in a:
         return f"{name} is new"
-      if a[name]["bytes"] != b[name]["bytes"]:
+      if (a[name]["sha256"], a[name]["bytes"]) != (b[name]["sha256"], b[name]["bytes"]):
         return (f"{name} changed ({a[name]['bytes']} bytes, sha256 {a[name]['sha256'][:12]} -> "
                 f"{b[name]['bytes']} bytes, sha256 {b[name]['sha256'][:12]})")
   ta, tb = old.get("tokenizer") or {}, now.get("tokenizer") or {}
