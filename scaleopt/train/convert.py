@@ -53,6 +53,7 @@ class Source:
   path: pathlib.Path
   cfg: models.ModelConfig
   hf_dir: Optional[pathlib.Path] = None  # where config.json / tokenizer files come from
+  run_dir: Optional[pathlib.Path] = None  # a run's folder: its tokenizer and trained context
 
 
 def _run_source(ckpt: pathlib.Path, run_dir: pathlib.Path) -> Source:
@@ -67,7 +68,7 @@ def _run_source(ckpt: pathlib.Path, run_dir: pathlib.Path) -> Source:
       hf_dir = open_source(section["init_from"]).hf_dir
     except SourceError:
       pass  # moved or deleted since: export without its config.json and tokenizer files
-  return Source("checkpoint", ckpt, cfg, hf_dir)
+  return Source("checkpoint", ckpt, cfg, hf_dir, run_dir)
 
 
 def _checkpoint_dir(path: pathlib.Path, step: Optional[int]) -> pathlib.Path:
@@ -186,20 +187,64 @@ def _copy_extras(src: pathlib.Path, dst: pathlib.Path) -> None:
       shutil.copyfile(src / name, dst / name)
 
 
+BYTES_NOTE = """# Tokenizer
+
+This model was trained on UTF-8 bytes: token id = byte value (0-255), no merges, so there is
+no `tokenizer.json`. Encode with `list(text.encode("utf-8"))`, decode with
+`bytes(ids).decode("utf-8", "replace")`. Id {sep} separates documents (`bos_token_id` and
+`eos_token_id` in config.json): put it before a prompt, stop generating at it.
+"""
+
+
+def _run_tokenizer(run_dir: pathlib.Path, out: pathlib.Path) -> dict:
+  """The tokenizer a run trained with, into an export: its ``tokenizer.json`` copied (a
+  Hugging Face tokenizer), or ``TOKENIZER.md`` (bytes, or a tokenizer file no longer found).
+  Returns the config.json fields it fixes: the document separator as ``bos_token_id`` and
+  ``eos_token_id`` (the token before every document and after it)."""
+  from scaleopt.train import identity
+  tok = (identity.read(run_dir) or {}).get("tokenizer")
+  if tok is None:  # a run from before data.json: its config's data section
+    d = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("data") or {}
+    tok = ({"name": "bytes", "file": None, "separator": 0}
+           if d.get("source", "embedded") == "embedded"
+           else identity.tokenizer_record(pathlib.Path(d["path"]).resolve()))
+  out.mkdir(parents=True, exist_ok=True)
+  sep = tok.get("separator")
+  if tok.get("file") and pathlib.Path(tok["file"]).is_file():
+    shutil.copyfile(tok["file"], out / "tokenizer.json")
+  elif tok.get("name") == "bytes":
+    (out / "TOKENIZER.md").write_text(BYTES_NOTE.format(sep=sep))
+  else:
+    (out / "TOKENIZER.md").write_text(
+        f"# Tokenizer\n\nThe run trained with the tokenizer {tok.get('name')!r} from "
+        f"{tok.get('file')!r}, which is no longer there; copy its tokenizer.json here.\n")
+  return {} if sep is None else {"bos_token_id": int(sep), "eos_token_id": int(sep)}
+
+
+def _trained_seq_len(run_dir: pathlib.Path) -> Optional[int]:
+  d = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("data") or {}
+  return int(d["seq_len"]) if d.get("seq_len") else None
+
+
 def export_hf(source: str | pathlib.Path, out: str | pathlib.Path, step: Optional[int] = None,
               dtype: str = "float32") -> models.ModelConfig:
-  """Writes a Hugging Face directory (config.json, model.safetensors, tokenizer files)."""
+  """Writes a Hugging Face directory (config.json, model.safetensors, tokenizer files). From
+  a run: its tokenizer (``_run_tokenizer``), bos/eos ids and ``max_position_embeddings`` =
+  the trained ``data.seq_len``."""
   src = open_source(source, step)
   params = read_params(src)
   out = pathlib.Path(out)
-  base = None
+  base, cfg = None, src.cfg
   if src.hf_dir is not None:
     if out.absolute() != src.hf_dir.absolute():
       _copy_extras(src.hf_dir, out)
     if (src.hf_dir / "config.json").is_file():
       base = json.loads((src.hf_dir / "config.json").read_text())
-  hf.save_hf(out, src.cfg, params, base_config=base, dtype=dtype)
-  return src.cfg
+  if src.run_dir is not None:
+    base = {**(base or {}), **_run_tokenizer(src.run_dir, out)}
+    cfg = dataclasses.replace(cfg, max_seq_len=_trained_seq_len(src.run_dir) or cfg.max_seq_len)
+  hf.save_hf(out, cfg, params, base_config=base, dtype=dtype)
+  return cfg
 
 
 def convert_main(direction: str, src: str, out: str, step: Optional[int] = None,
@@ -210,7 +255,7 @@ def convert_main(direction: str, src: str, out: str, step: Optional[int] = None,
       cfg = import_hf(src, out)
     else:
       cfg = export_hf(src, out, step, dtype)
-  except (SourceError, hf.ConversionError, ValueError, OSError) as e:
+  except (SourceError, hf.ConversionError, ValueError, OSError, KeyError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"wrote {out}: {cfg.n_layers} layers x {cfg.d_model}, vocab {cfg.vocab_size}, "

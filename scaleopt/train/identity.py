@@ -49,7 +49,9 @@ def _shards(root: pathlib.Path, split: str) -> list[dict]:
   return [{"file": b.name, "bytes": b.stat().st_size, "sha256": s} for b, s in zip(bins, sums)]
 
 
-def _tokenizer(root: pathlib.Path) -> dict:
+def tokenizer_record(root: pathlib.Path) -> dict:
+  """The tokenizer of a shard folder: name and separator (shard headers), tokenizer.json's
+  path and hash."""
   heads = sorted(root.glob("train*.json"))
   head = json.loads(heads[0].read_text()) if heads else {}
   tj = root / "tokenizer.json"
@@ -70,7 +72,7 @@ def describe(cfg: TrainConfig) -> dict:
   root = pathlib.Path(d.path).resolve()
   return {"source": "shards", "path": str(root), "config_path": d.path,
           "splits": {s: _shards(root, s) for s in ("train", "val")},
-          "tokenizer": _tokenizer(root)}
+          "tokenizer": tokenizer_record(root)}
 
 
 def read(out: pathlib.Path) -> Optional[dict]:

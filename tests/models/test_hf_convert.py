@@ -114,7 +114,9 @@ def test_fine_tune_from_hf_weights_with_adamw_bc_then_export(tmp_path, capsys):
   shards.mkdir()
   rng = np.random.default_rng(0)
   for split, n in (("train", 20_000), ("val", 2_000)):
-    D.write_shard(shards / f"{split}_000", rng.integers(0, 96, n), 96, "test")
+    D.write_shard(shards / f"{split}_000", rng.integers(0, 96, n), 96, "test", separator=7)
+  tok = FIX / "qwen2_tokenizer" / "tokenizer.json"  # the shards' tokenizer (any file will do)
+  (shards / "tokenizer.json").write_bytes(tok.read_bytes())
   run = tmp_path / "run"
   cfg = tmp_path / "ft.yaml"
   body = {
@@ -144,6 +146,23 @@ def test_fine_tune_from_hf_weights_with_adamw_bc_then_export(tmp_path, capsys):
   delta = max(float(np.abs(a[k] - b[k]).max()) for k in a)
   # started from the checkpoint (a fresh init would be O(1) away) and moved by ~lr per step
   assert 0 < delta < 3 * 10 * 1e-3, delta
+  # the run's tokenizer, its document separator as bos/eos and the trained context length
+  out = json.loads((tmp_path / "hf_out" / "config.json").read_text())
+  assert (out["bos_token_id"], out["eos_token_id"], out["max_position_embeddings"]) == (7, 7, 16)
+  assert (tmp_path / "hf_out" / "tokenizer.json").read_bytes() == tok.read_bytes()
+
+
+def test_a_byte_level_run_exports_a_tokenizer_note(tmp_path):
+  from scaleopt.train import convert
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.yaml").write_text(yaml.safe_dump({"data": {"source": "embedded",
+                                                            "seq_len": 48}}))
+  assert convert._run_tokenizer(run, tmp_path / "out") == {"bos_token_id": 0, "eos_token_id": 0}
+  note = (tmp_path / "out" / "TOKENIZER.md").read_text()
+  assert "UTF-8 bytes" in note and "Id 0 separates documents" in note
+  assert not (tmp_path / "out" / "tokenizer.json").exists()
+  assert convert._trained_seq_len(run) == 48
 
 
 def test_tokenizer_files_travel_with_the_conversion(tmp_path):
