@@ -149,6 +149,9 @@ def _check_model(model: Any) -> dict:
   fields = {f.name: f for f in dataclasses.fields(models.ModelConfig)}
   own = {f.name for f in dataclasses.fields(ModelKeys)}
   check_keys(model, sorted(own | set(fields)), "model")
+  if isinstance(model.get("init_from"), str):  # the architecture of the source
+    from scaleopt.train.convert import with_architecture
+    model = with_architecture(model)
   hints = typing.get_type_hints(models.ModelConfig)
   out = to_dict(parse(ModelKeys, {k: v for k, v in model.items() if k in own}, "model"))
   out = {k: v for k, v in out.items() if k in model}

@@ -14,8 +14,11 @@ tokenizer files, copied back on export). A parameter SOURCE is any of
   * one checkpoint directory ``RUN/checkpoints/N``.
 
 Training from a source: ``scaleopt train ... --set model.init_from=SOURCE`` starts a fresh run
-(step 0, fresh optimizer state) from those parameters; the run's model section must describe
-the same model (a mismatch names the field). ``--resume`` ignores ``init_from``.
+(step 0, fresh optimizer state) from those parameters; the architecture comes from the source
+(``with_architecture``: every architecture field the model section does not set), the
+settings that do not change the parameters (dtype, remat, max_seq_len, loss and kernel
+choices) from the preset and the section; a field the section sets to another value than the
+source's is refused, naming the field. ``--resume`` ignores ``init_from``.
 """
 
 from __future__ import annotations
@@ -135,6 +138,25 @@ def read_params(src: Source) -> dict:
     raise
   except (ValueError, KeyError, OSError) as e:
     raise SourceError(f"parameters of {str(src.path)!r} cannot be read: {e}") from None
+
+
+def architecture_fields() -> list[str]:
+  """The ModelConfig fields that make the parameters and the function (all but ``_FREE``)."""
+  return [f.name for f in dataclasses.fields(models.ModelConfig) if f.name not in _FREE]
+
+
+def with_architecture(section: dict) -> dict:
+  """A model section with ``init_from``: every architecture field it does not set taken from
+  the source (the source's config is read, no tensors), so the run's recorded config names
+  the whole architecture and resumes without the source. Fields the section sets stay; where
+  they differ from the source, ``check_matches`` refuses them."""
+  path = section.get("init_from")
+  missing = [f for f in architecture_fields() if f not in section] if path else []
+  if not missing:
+    return section
+  src = open_source(path)
+  vals = {f: getattr(src.cfg, f) for f in missing}
+  return {**section, **{k: list(v) if isinstance(v, tuple) else v for k, v in vals.items()}}
 
 
 def check_matches(src: Source, cfg: models.ModelConfig) -> None:

@@ -176,3 +176,27 @@ def test_tokenizer_files_travel_with_the_conversion(tmp_path):
   assert convert_main("export", str(tmp_path / "conv"), str(tmp_path / "out")) == 0
   for f in ("tokenizer.json", "tokenizer_config.json"):
     assert (tmp_path / "out" / f).read_bytes() == (src / f).read_bytes()
+
+
+def test_init_from_takes_the_architecture_from_the_source(tmp_path):
+  from scaleopt.train import bridge, config as C, convert
+  src = FIX / "qwen2"
+  want = hf.config_from_hf(json.loads((src / "config.json").read_text()))
+  raw = {"model": {"preset": "tiny", "dtype": "float32", "init_from": str(src)},
+         "optimizer": {"name": "adamw"}}
+  cfg = C.from_dict(raw)
+  got = bridge.model_config(cfg.model)
+  for f in convert.architecture_fields():
+    assert getattr(got, f) == getattr(want, f), f
+  assert got.dtype == "float32"  # a setting that does not change the parameters stays
+  convert.check_matches(convert.open_source(src), got)
+  # the recorded config names the whole architecture: it loads without the source
+  C.dump_config(cfg, tmp_path / "config.yaml")
+  saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+  saved["model"]["init_from"] = str(tmp_path / "gone")
+  assert bridge.model_config(C.from_dict(saved).model) == got
+  # a field set to another value than the source's is named
+  raw["model"]["n_heads"] = want.n_heads * 2
+  with pytest.raises(convert.SourceError, match="model.n_heads"):
+    convert.check_matches(convert.open_source(src),
+                          bridge.model_config(C.from_dict(raw).model))
