@@ -294,8 +294,7 @@ class Compiled:
   eval_step: Any  # (params, tokens [m, b, T+1]) -> per-window CE [m, b], replicated
   state_shape: Any  # TrainState of ShapeDtypeStruct
   state_sh: Any
-  batch_sh: Any
-  eval_sh: Any
+  batch_sh: Any  # of training batches and of the evaluation set's microbatches
   phased: Any = None  # phased.PhasedStep where the host may pick the step's branches, else None
 
 
@@ -335,7 +334,7 @@ def compile_fns(s: Setup) -> Compiled:
   state_sh = state_sh._replace(params=param_sh)
   state_sh = state_sh._replace(opt_state=mesh_lib.in_memory_of(  # offloaded state: host memory
       s.tx.init, (state_shape.params,), state_sh.opt_state))
-  batch_sh, eval_sh = mesh_lib.batch_sharding(mesh), mesh_lib.eval_sharding(mesh)
+  batch_sh = mesh_lib.batch_sharding(mesh)
   step_fn = step_lib.make_train_step(s.model, s.tx, s.spec, s.schedule,
                                      s.cfg.run.telemetry_every, param_sh=param_sh,
                                      update_sh=opt_sh if shard_opt else None,
@@ -352,7 +351,7 @@ def compile_fns(s: Setup) -> Compiled:
       train_step=jax.jit(step_fn, **step_kw),
       eval_step=jax.jit(step_lib.make_eval_step(s.model), in_shardings=(param_sh, batch_sh),
                         out_shardings=mesh_lib.replicated(mesh)),
-      state_shape=state_shape, state_sh=state_sh, batch_sh=batch_sh, eval_sh=eval_sh,
+      state_shape=state_shape, state_sh=state_sh, batch_sh=batch_sh,
       phased=phased)
 
 

@@ -178,11 +178,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def eval_sharding(mesh: Mesh) -> NamedSharding:
-  """Sharding of a ``[B, T+1]`` eval batch."""
-  return NamedSharding(mesh, P(BATCH_AXES, None))
-
-
 def param_shardings(mesh: Mesh, params_shape: Any, rules: Callable) -> Any:
   """NamedSharding per parameter from ``rules(path, shape) -> logical axes``."""
   return jax.tree_util.tree_map_with_path(
