@@ -160,14 +160,14 @@ def with_architecture(section: dict) -> dict:
 
 
 def check_matches(src: Source, cfg: models.ModelConfig) -> None:
-  """Raises SourceError naming the first model field that differs from the source's."""
-  for f in dataclasses.fields(models.ModelConfig):
-    if f.name in _FREE:
-      continue
-    a, b = getattr(cfg, f.name), getattr(src.cfg, f.name)
-    if a != b:
-      raise SourceError(f"model.{f.name}={a!r}, but model.init_from={str(src.path)!r} has "
-                        f"{b!r}; set --set model.{f.name}={b!r} (or choose a matching preset)")
+  """Raises SourceError naming every architecture field that differs from the source's (the
+  model section set them; the others come from the source, ``with_architecture``)."""
+  diff = [(f, getattr(cfg, f), getattr(src.cfg, f)) for f in architecture_fields()
+          if getattr(cfg, f) != getattr(src.cfg, f)]
+  if diff:
+    raise SourceError("; ".join(f"model.{f}={a!r}, but model.init_from={str(src.path)!r} has "
+                                f"{b!r}" for f, a, b in diff)
+                      + " (leave these keys out to take the source's values)")
 
 
 def init_params(path: str, cfg: models.ModelConfig, shardings: Any) -> Any:

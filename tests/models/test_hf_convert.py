@@ -196,7 +196,7 @@ def test_init_from_takes_the_architecture_from_the_source(tmp_path):
   saved["model"]["init_from"] = str(tmp_path / "gone")
   assert bridge.model_config(C.from_dict(saved).model) == got
   # a field set to another value than the source's is named
-  raw["model"]["n_heads"] = want.n_heads * 2
-  with pytest.raises(convert.SourceError, match="model.n_heads"):
+  raw["model"].update(n_heads=want.n_heads * 2, rope_theta=10.0)  # every difference at once
+  with pytest.raises(convert.SourceError, match="model.n_heads=.*; model.rope_theta=10.0"):
     convert.check_matches(convert.open_source(src),
                           bridge.model_config(C.from_dict(raw).model))
