@@ -452,18 +452,6 @@ class Batches:
     self.chunk = int(state["chunk"])
 
 
-class WindowRange(Windows):
-  """Windows ``[lo, hi)`` of another ``Windows`` (a contiguous, disjoint part of a split)."""
-
-  def __init__(self, base: Windows, lo: int, hi: int, name: str = "data"):
-    if not 0 <= lo < hi <= base.n:
-      raise DataError(f"{name}: window range [{lo}, {hi}) is empty or outside [0, {base.n})")
-    self.base, self.lo, self.n, self.seq_len = base, lo, hi - lo, base.seq_len
-
-  def get(self, idx: np.ndarray) -> np.ndarray:
-    return self.base.get(np.asarray(idx) + self.lo)
-
-
 HELDOUT_PARTS = ("val", "test")
 
 
