@@ -156,7 +156,7 @@ def train_config(c: dict, batch: int | None = None):
   mesh = {"data": 1, "fsdp": 1, "tensor": 1, c["axis"]: c["n"],
           "shard_optimizer": c.get("shard_optimizer", False)}
   raw = {
-      "run": {"steps": c["steps"], "log_every": 10, "eval_every": 0, "eval_batches": 0,
+      "run": {"steps": c["steps"], "log_every": 10, "eval_every": 0, "eval_tokens": 0,
               "checkpoint_every": 0, "async_checkpoint": False, "progress": False,
               "plot": False, "tensorboard": False, "seed": 0, **c.get("run", {})},
       "model": {"preset": c["preset"], "dtype": c["dtype"], "max_seq_len": c["seq"],

@@ -43,7 +43,7 @@ def _models_throughput():
 def system_run(preset: str, optimizer: dict, batch: int, seq: int, micro: int, steps: int,
                dtype: str, out: pathlib.Path, unroll: int = 1) -> dict:
   raw = {
-      "run": {"steps": steps, "log_every": 10, "eval_every": 0, "eval_batches": 1,
+      "run": {"steps": steps, "log_every": 10, "eval_every": 0, "eval_tokens": batch * seq,
               "checkpoint_every": 0, "progress": False, "plot": False, "tensorboard": False},
       "model": {"preset": preset, "dtype": dtype, "max_seq_len": seq, "scan_unroll": unroll},
       "data": {"source": "embedded", "seq_len": seq, "batch_size": batch, "microbatches": micro},

@@ -54,7 +54,7 @@ def raw_config(opt: dict, m: int, steps: int, quick: bool) -> dict:
           if quick else {"source": "embedded", "seq_len": 1024, "batch_size": 32,
                          "microbatches": m})
   return {"run": {"seed": 0, "steps": steps, "log_every": max(steps // 6, 1),
-                  "eval_every": steps, "eval_batches": 2 if quick else 4,
+                  "eval_every": steps, "eval_tokens": 512 if quick else 131072,
                   "checkpoint_every": 0, "progress": False, "tensorboard": False,
                   "plot": False},
           "model": model, "data": data, "optimizer": opt, "mesh": {"data": -1}}

@@ -22,7 +22,7 @@ from scaleopt import config as SC
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED = sorted(str(p.relative_to(REPO / "configs")) for p in (REPO / "configs").rglob("*.yaml"))
 TRAIN_FLAGS = ["--set", "run.steps=3", "--set", "run.log_every=1", "--set", "run.eval_every=3",
-               "--set", "run.eval_batches=1", "--set", "run.checkpoint_every=3",
+               "--set", "run.eval_tokens=256", "--set", "run.checkpoint_every=3",
                "--set", "run.progress=false", "--set", "run.plot=false",
                "--set", "run.tensorboard=false", "--set", "run.async_checkpoint=false",
                "--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "model.d_ff=64",

@@ -6,6 +6,7 @@ Public API (see docs/models.md):
   functional(cfg) -> (init_fn, apply_fn)              pure form over nested dicts of arrays
   lm_loss(logits, targets, mask)                      mean CE over supervised positions
   functional_loss(cfg) -> loss_fn(params, tokens, targets, mask)   fused head + CE (no f32 logits)
+  functional_nll(cfg) -> nll_fn(params, tokens, targets)   per-token CE [B, T] (evaluation)
   head_loss(h, w, targets, mask, chunks), head_nll    the fused head + cross-entropy
   param_roles, role_of, is_embedding, weight_decay_mask(params, policy)
   partition_rules(cfg), logical_specs(cfg, params)    logical sharding axes per parameter
@@ -23,11 +24,12 @@ from scaleopt.models.masks import (POLICIES, ROLES, fsdp_dims, is_embedding, log
                                    param_roles, partition_rules, role_of, weight_decay_mask)
 from scaleopt.models.presets import PRESETS, get_preset
 from scaleopt.models.loss import head_loss, head_nll
-from scaleopt.models.transformer import Transformer, functional, functional_loss, lm_loss
+from scaleopt.models.transformer import (Transformer, functional, functional_loss, functional_nll,
+                                         lm_loss)
 
 __all__ = [
     "ModelConfig", "VARIANTS", "PRESETS", "get_preset", "Transformer", "functional", "lm_loss",
-    "functional_loss", "head_loss", "head_nll",
+    "functional_loss", "functional_nll", "head_loss", "head_nll",
     "param_roles", "role_of", "is_embedding", "weight_decay_mask", "POLICIES", "ROLES",
     "partition_rules", "logical_specs", "fsdp_dims", "count_params", "flops_per_token",
     "matmul_params_per_token", "mfu", "PEAK_FLOPS", "fold_scales", "sharding",

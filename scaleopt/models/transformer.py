@@ -27,7 +27,7 @@ from flax import nnx
 
 from scaleopt.models import kernels, sharding
 from scaleopt.models.config import ModelConfig
-from scaleopt.models.loss import head_loss, use_kernel
+from scaleopt.models.loss import head_loss, head_nll, use_kernel
 from scaleopt.models.layers import (Attention, GatedMLP, Linear, Scale, add_rms_norm,
                                     effective_kernel, get_scale, rms_norm, rope_tables)
 from scaleopt.models.moe import MoE
@@ -148,6 +148,15 @@ class Transformer(nnx.Module):
     kernel = use_kernel(cfg.loss_kernel, h.dtype, cfg.loss_chunks)
     return head_loss(h, w_DxV, targets_BxT, mask_BxT, cfg.loss_chunks, kernel), aux
 
+  def token_nll(self, tokens_BxT: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+    """Per-token next-token cross-entropy ``[B, T]`` (float32) of the function ``loss``
+    averages, with the same head (fused, ``cfg.loss_chunks`` slices, where ``loss`` is)."""
+    cfg = self.cfg
+    if not cfg.fused_loss or cfg.logits_dot_in_fp32:
+      return token_xent(self(tokens_BxT)[0], targets_BxT)
+    h, w_DxV, _ = self.features(tokens_BxT)
+    return head_nll(h, w_DxV, targets_BxT, cfg.loss_chunks)
+
   def features(self, tokens_BxT: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
     """(final normed hidden states [B, T, d] and LM head [d, V], both in the compute dtype,
     head gathered for use; aux): ``logits = h W``."""
@@ -238,12 +247,29 @@ def functional_loss(cfg: ModelConfig) -> Callable[..., tuple[jax.Array, dict]]:
   return loss_fn
 
 
+def functional_nll(cfg: ModelConfig) -> Callable[..., jax.Array]:
+  """``nll_fn(params, tokens_BxT, targets_BxT) -> [B, T]`` per-token cross-entropy: the pure
+  form of :meth:`Transformer.token_nll` (evaluation per window)."""
+  cfg.validate()
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+
+  def nll_fn(params: Params, tokens_BxT: jax.Array, targets_BxT: jax.Array):
+    return nnx.merge(graphdef, params).token_nll(tokens_BxT, targets_BxT)
+
+  return nll_fn
+
+
+def token_xent(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+  """``logsumexp(z_{bt}) - z_{bt, y_{bt}}`` per position, float32 ``[B, T]``."""
+  z = logits_BxTxV.astype(f32)
+  return jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, targets_BxT[..., None], -1)[..., 0]
+
+
 def lm_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
             mask_BxT: jax.Array | None = None) -> jax.Array:
   """Mean cross-entropy over supervised positions, float32:
   ``sum_{b,t} m_{bt} (logsumexp(z_{bt}) - z_{bt, y_{bt}}) / max(sum m, 1)``."""
-  z = logits_BxTxV.astype(f32)
-  nll = jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, targets_BxT[..., None], -1)[..., 0]
+  nll = token_xent(logits_BxTxV, targets_BxT)
   if mask_BxT is None:
     return jnp.mean(nll)
   m = mask_BxT.astype(f32)

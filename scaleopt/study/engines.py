@@ -3,7 +3,9 @@
 ``run_loop``: one ordinary ``scaleopt.train.loop.train`` run (any mesh, one compile per cell).
 ``run_vmapped``: a group of cells through ``vmapped.train_group`` (one device, one compile per
 group). Both evaluate the held-out split's ``val`` part (learning-rate selection) and its
-``test`` part (reported numbers) at the end, on the same ``eval_batches`` windows.
+``test`` part (reported numbers) at the end, each on its fixed evaluation set
+(``data.heldout_eval_sets``: ``run.eval_tokens`` of it, the same for every batch size); each
+result records both sets' hashes, and the report compares only cells scored on the same ones.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import pathlib
 from typing import Optional
 
 import jax
-import numpy as np
 
 from scaleopt.train import bridge, checkpoint, data, loop
 from scaleopt.train.config import TrainConfig
@@ -61,20 +62,13 @@ def _result(cfg, spec, summ: dict, status: str, val: float, test: float, engine:
           "train_loss": summ.get("final_train_loss"), "wall_time_s": summ.get("wall_time_s"),
           "tokens_per_s": summ.get("tokens_per_s"),
           "cells_at_once": summ.get("cells_at_once", 1), "engine": engine,
-          "card": summ.get("device_kind") or jax.devices()[0].device_kind}
+          "card": summ.get("device_kind") or jax.devices()[0].device_kind,
+          "val_set": summ.get("eval_set"), "test_set": summ.get("test_set")}
 
 
 def _heldout_losses(s: loop.Setup, fns: loop.Compiled, params) -> dict:
-  d, r = s.cfg.data, s.cfg.run
-  pi, pc = jax.process_index(), jax.process_count()
-  out = {}
-  for part in data.HELDOUT_PARTS:
-    w = data.heldout_part(s.val_w, part)
-    bs = [loop._put(fns.eval_sh, b, (d.batch_size, d.seq_len + 1))
-          for b in data.eval_batches(w, d.batch_size, r.eval_batches, pi, pc)]
-    out[part] = (float(np.mean(jax.device_get([fns.eval_step(params, b) for b in bs])))
-                 if bs else NAN)
-  return out
+  sets = data.heldout_eval_sets(s.val_w, s.cfg.run.eval_tokens)
+  return {p: loop.make_evaluate(s.cfg, fns, ev, False)(params) for p, ev in sets.items()}
 
 
 def run_loop(cfg: TrainConfig, d: pathlib.Path, resume: bool) -> dict:
@@ -89,6 +83,8 @@ def run_loop(cfg: TrainConfig, d: pathlib.Path, resume: bool) -> dict:
   except loop.Interrupted:
     return {"status": "interrupted"}
   summ = json.loads((d / "summary.json").read_text())
+  summ["test_set"] = loop.eval_identity(data.heldout_eval_sets(
+      s.val_w, cfg.run.eval_tokens)["test"])["eval_set"]
   losses = {"val": NAN, "test": NAN}
   if status == "ok":
     fns = loop.compile_fns(s)

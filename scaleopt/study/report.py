@@ -98,7 +98,24 @@ def read_rows(out: pathlib.Path) -> list[dict]:
       if r.get(k) is None:
         r[k] = math.nan
     rows.append(r)
+  check_eval_sets(rows)
   return rows
+
+
+def check_eval_sets(rows: list[dict]) -> None:
+  """ConfigError (one line naming two cells) when cells were scored on different held-out
+  sets (``val_set`` / ``test_set``, the hashes of ``scaleopt.train.data.EvalSet``): their
+  losses are not comparable. Cells that recorded no hash all agree with one another."""
+  from scaleopt.config import ConfigError
+  for key in ("val_set", "test_set"):
+    first = {}
+    for r in rows:
+      first.setdefault(r.get(key), r)
+    if len(first) > 1:
+      (ha, a), (hb, b) = list(first.items())[:2]
+      raise ConfigError(f"cells {a.get('id')} and {b.get('id')} were scored on different "
+                        f"{key[:-4]} sets ({ha} vs {hb}: other data, seq_len or "
+                        "run.eval_tokens); a report compares only cells scored on the same set")
 
 
 def _cond_rows(st, rows: list[dict], cond: tuple) -> list[dict]:

@@ -163,13 +163,14 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
   groups, rolling = s.spec.num_groups, s.spec.layout == "rolling_b"
   its = [data.Batches(s.train_w, d.batch_size, d.microbatches, groups=groups, rolling_b=rolling,
                       seed=sd) for sd in (seeds[:1] if shared else seeds)]
-  parts = {p: [jnp.asarray(b) for b in data.eval_batches(
-      data.heldout_part(s.val_w, p), d.batch_size, r.eval_batches)] for p in data.HELDOUT_PARTS}
+  sets = data.heldout_eval_sets(s.val_w, r.eval_tokens)
+  parts = {p: None if ev is None else jnp.asarray(ev.microbatches(loop.eval_microbatch(cfgs[0]))[0])
+           for p, ev in sets.items()}
 
   def evaluate(params, part: str) -> np.ndarray:
-    if not parts[part]:
+    if parts[part] is None:
       return np.full(n, np.nan)
-    return np.mean(jax.device_get([fns.eval(params, b) for b in parts[part]]), axis=0)
+    return sets[part].mean(jax.device_get(fns.eval(params, parts[part])))
 
   ckpts = [checkpoint.Checkpointer(dd / "checkpoints", r.keep_checkpoints, r.async_checkpoint)
            for dd in dirs]
@@ -259,7 +260,8 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
         "sweeps_per_step": bridge.passes_per_step(s.spec), "devices": 1,
         "device_kind": jax.devices()[0].device_kind, "resumed_from": resume_step,
         "stopped_early": stopped or bool(diverged[i]),
-        "interrupted_by": "deadline" if stopped else None}
+        "interrupted_by": "deadline" if stopped else None, **loop.eval_identity(sets["val"]),
+        "test_set": loop.eval_identity(sets["test"])["eval_set"]}
     metrics.write_summary(dd, summ)
     summaries.append(summ)
     if r.plot:

@@ -71,6 +71,9 @@ class Model:
   # (params, tokens, targets) -> (mean CE, aux) without float32 logits (models.functional_loss);
   # None: lm_loss on ``apply``'s logits.
   loss_apply: Optional[Callable] = None
+  # (params, tokens, targets) -> per-token CE [B, T] (models.functional_nll); None: from
+  # ``apply``'s logits.
+  nll_apply: Optional[Callable] = None
 
   def with_mesh(self, mesh) -> "Model":
     return dataclasses.replace(self, mesh=mesh)
@@ -94,6 +97,16 @@ class Model:
       out["moe_aux_loss"] = aux["moe_aux_loss"]
     return loss, out
 
+  def window_ce(self, params, tokens_BxT1):
+    """(params, tokens [B, T+1]) -> [B] float32: each window's mean next-token CE."""
+    inputs, targets = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
+    with models.sharding.constraints(self.mesh):
+      if self.nll_apply is not None:
+        nll = self.nll_apply(params, inputs, targets)
+      else:
+        nll = models.transformer.token_xent(self.apply(params, inputs)[0], targets)
+    return jnp.mean(nll, axis=-1)
+
   def logits_fn(self, params, tokens_BxT1):
     """(params, mb) -> (logits, mask) for Sophia's sampled-label (GNB) pass."""
     with models.sharding.constraints(self.mesh):
@@ -105,5 +118,6 @@ def make_model(section: dict) -> Model:
   cfg = model_config(section)
   init, apply = models.functional(cfg)
   return Model(cfg=cfg, init=init, apply=apply, loss_apply=models.functional_loss(cfg),
+               nll_apply=models.functional_nll(cfg),
                wd_policy=section.get("wd_policy", "matrices-only"),
                init_from=section.get("init_from"))

@@ -42,7 +42,9 @@ class RunConfig:
   steps: int = spec(200, gt=0)
   log_every: int = spec(10, gt=0)
   eval_every: int = spec(100, min=0)  # 0: only at the end
-  eval_batches: int = spec(4, min=0)  # batches of data.batch_size sequences per eval
+  # target tokens of the fixed held-out evaluation set (eval_tokens // seq_len windows chosen
+  # by the data, never by the batch size: scaleopt.train.data.eval_set); 0: no evaluation
+  eval_tokens: int = spec(1 << 18, min=0)
   checkpoint_every: int = spec(100, min=0)  # 0: only at the end
   keep_checkpoints: int = spec(3, gt=0)
   async_checkpoint: bool = True
@@ -147,6 +149,9 @@ def _check_model(model: Any) -> dict:
   fields = {f.name: f for f in dataclasses.fields(models.ModelConfig)}
   own = {f.name for f in dataclasses.fields(ModelKeys)}
   check_keys(model, sorted(own | set(fields)), "model")
+  if isinstance(model.get("init_from"), str):  # the architecture of the source
+    from scaleopt.train.convert import with_architecture
+    model = with_architecture(model)
   hints = typing.get_type_hints(models.ModelConfig)
   out = to_dict(parse(ModelKeys, {k: v for k, v in model.items() if k in own}, "model"))
   out = {k: v for k, v in out.items() if k in model}
@@ -188,6 +193,9 @@ def from_dict(raw: dict) -> TrainConfig:
     raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
   check_keys(raw, sorted(set(_SECTIONS) | {"model", "optimizer"}), "")
   _check_finite(raw)
+  if isinstance(raw.get("run"), dict) and "eval_batches" in raw["run"]:
+    raise ConfigError("config key 'run.eval_batches' was replaced by 'run.eval_tokens' (the "
+                      "held-out set's size in target tokens, the same for every batch size)")
   secs = {k: parse(cls, raw.get(k), k) for k, cls in _SECTIONS.items()}
   r, d, m = secs["run"], secs["data"], secs["mesh"]
   if r.telemetry_every % r.log_every:
@@ -230,7 +238,7 @@ def dump_config(cfg: TrainConfig, path: str | pathlib.Path) -> None:
 # (``offload_statistics``: where the statistics live, not what they are). Anything else (seed,
 # data, model, optimizer) would make the continued run a different experiment than its
 # checkpoints.
-RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_batches",
+RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_tokens",
              "run.checkpoint_every", "run.keep_checkpoints", "run.async_checkpoint",
              "run.max_consecutive_skips", "run.progress", "run.tensorboard", "run.plot",
              "run.peak_flops", "run.wandb", "run.profile", "run.telemetry_every", "run.host_phases",

@@ -14,8 +14,11 @@ tokenizer files, copied back on export). A parameter SOURCE is any of
   * one checkpoint directory ``RUN/checkpoints/N``.
 
 Training from a source: ``scaleopt train ... --set model.init_from=SOURCE`` starts a fresh run
-(step 0, fresh optimizer state) from those parameters; the run's model section must describe
-the same model (a mismatch names the field). ``--resume`` ignores ``init_from``.
+(step 0, fresh optimizer state) from those parameters; the architecture comes from the source
+(``with_architecture``: every architecture field the model section does not set), the
+settings that do not change the parameters (dtype, remat, max_seq_len, loss and kernel
+choices) from the preset and the section; a field the section sets to another value than the
+source's is refused, naming the field. ``--resume`` ignores ``init_from``.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Source:
   path: pathlib.Path
   cfg: models.ModelConfig
   hf_dir: Optional[pathlib.Path] = None  # where config.json / tokenizer files come from
+  run_dir: Optional[pathlib.Path] = None  # a run's folder: its tokenizer and trained context
 
 
 def _run_source(ckpt: pathlib.Path, run_dir: pathlib.Path) -> Source:
@@ -67,7 +71,7 @@ def _run_source(ckpt: pathlib.Path, run_dir: pathlib.Path) -> Source:
       hf_dir = open_source(section["init_from"]).hf_dir
     except SourceError:
       pass  # moved or deleted since: export without its config.json and tokenizer files
-  return Source("checkpoint", ckpt, cfg, hf_dir)
+  return Source("checkpoint", ckpt, cfg, hf_dir, run_dir)
 
 
 def _checkpoint_dir(path: pathlib.Path, step: Optional[int]) -> pathlib.Path:
@@ -136,15 +140,34 @@ def read_params(src: Source) -> dict:
     raise SourceError(f"parameters of {str(src.path)!r} cannot be read: {e}") from None
 
 
+def architecture_fields() -> list[str]:
+  """The ModelConfig fields that make the parameters and the function (all but ``_FREE``)."""
+  return [f.name for f in dataclasses.fields(models.ModelConfig) if f.name not in _FREE]
+
+
+def with_architecture(section: dict) -> dict:
+  """A model section with ``init_from``: every architecture field it does not set taken from
+  the source (the source's config is read, no tensors), so the run's recorded config names
+  the whole architecture and resumes without the source. Fields the section sets stay; where
+  they differ from the source, ``check_matches`` refuses them."""
+  path = section.get("init_from")
+  missing = [f for f in architecture_fields() if f not in section] if path else []
+  if not missing:
+    return section
+  src = open_source(path)
+  vals = {f: getattr(src.cfg, f) for f in missing}
+  return {**section, **{k: list(v) if isinstance(v, tuple) else v for k, v in vals.items()}}
+
+
 def check_matches(src: Source, cfg: models.ModelConfig) -> None:
-  """Raises SourceError naming the first model field that differs from the source's."""
-  for f in dataclasses.fields(models.ModelConfig):
-    if f.name in _FREE:
-      continue
-    a, b = getattr(cfg, f.name), getattr(src.cfg, f.name)
-    if a != b:
-      raise SourceError(f"model.{f.name}={a!r}, but model.init_from={str(src.path)!r} has "
-                        f"{b!r}; set --set model.{f.name}={b!r} (or choose a matching preset)")
+  """Raises SourceError naming every architecture field that differs from the source's (the
+  model section set them; the others come from the source, ``with_architecture``)."""
+  diff = [(f, getattr(cfg, f), getattr(src.cfg, f)) for f in architecture_fields()
+          if getattr(cfg, f) != getattr(src.cfg, f)]
+  if diff:
+    raise SourceError("; ".join(f"model.{f}={a!r}, but model.init_from={str(src.path)!r} has "
+                                f"{b!r}" for f, a, b in diff)
+                      + " (leave these keys out to take the source's values)")
 
 
 def init_params(path: str, cfg: models.ModelConfig, shardings: Any) -> Any:
@@ -186,20 +209,64 @@ def _copy_extras(src: pathlib.Path, dst: pathlib.Path) -> None:
       shutil.copyfile(src / name, dst / name)
 
 
+BYTES_NOTE = """# Tokenizer
+
+This model was trained on UTF-8 bytes: token id = byte value (0-255), no merges, so there is
+no `tokenizer.json`. Encode with `list(text.encode("utf-8"))`, decode with
+`bytes(ids).decode("utf-8", "replace")`. Id {sep} separates documents (`bos_token_id` and
+`eos_token_id` in config.json): put it before a prompt, stop generating at it.
+"""
+
+
+def _run_tokenizer(run_dir: pathlib.Path, out: pathlib.Path) -> dict:
+  """The tokenizer a run trained with, into an export: its ``tokenizer.json`` copied (a
+  Hugging Face tokenizer), or ``TOKENIZER.md`` (bytes, or a tokenizer file no longer found).
+  Returns the config.json fields it fixes: the document separator as ``bos_token_id`` and
+  ``eos_token_id`` (the token before every document and after it)."""
+  from scaleopt.train import identity
+  tok = (identity.read(run_dir) or {}).get("tokenizer")
+  if tok is None:  # a run from before data.json: its config's data section
+    d = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("data") or {}
+    tok = ({"name": "bytes", "file": None, "separator": 0}
+           if d.get("source", "embedded") == "embedded"
+           else identity.tokenizer_record(pathlib.Path(d["path"]).resolve()))
+  out.mkdir(parents=True, exist_ok=True)
+  sep = tok.get("separator")
+  if tok.get("file") and pathlib.Path(tok["file"]).is_file():
+    shutil.copyfile(tok["file"], out / "tokenizer.json")
+  elif tok.get("name") == "bytes":
+    (out / "TOKENIZER.md").write_text(BYTES_NOTE.format(sep=sep))
+  else:
+    (out / "TOKENIZER.md").write_text(
+        f"# Tokenizer\n\nThe run trained with the tokenizer {tok.get('name')!r} from "
+        f"{tok.get('file')!r}, which is no longer there; copy its tokenizer.json here.\n")
+  return {} if sep is None else {"bos_token_id": int(sep), "eos_token_id": int(sep)}
+
+
+def _trained_seq_len(run_dir: pathlib.Path) -> Optional[int]:
+  d = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("data") or {}
+  return int(d["seq_len"]) if d.get("seq_len") else None
+
+
 def export_hf(source: str | pathlib.Path, out: str | pathlib.Path, step: Optional[int] = None,
               dtype: str = "float32") -> models.ModelConfig:
-  """Writes a Hugging Face directory (config.json, model.safetensors, tokenizer files)."""
+  """Writes a Hugging Face directory (config.json, model.safetensors, tokenizer files). From
+  a run: its tokenizer (``_run_tokenizer``), bos/eos ids and ``max_position_embeddings`` =
+  the trained ``data.seq_len``."""
   src = open_source(source, step)
   params = read_params(src)
   out = pathlib.Path(out)
-  base = None
+  base, cfg = None, src.cfg
   if src.hf_dir is not None:
     if out.absolute() != src.hf_dir.absolute():
       _copy_extras(src.hf_dir, out)
     if (src.hf_dir / "config.json").is_file():
       base = json.loads((src.hf_dir / "config.json").read_text())
-  hf.save_hf(out, src.cfg, params, base_config=base, dtype=dtype)
-  return src.cfg
+  if src.run_dir is not None:
+    base = {**(base or {}), **_run_tokenizer(src.run_dir, out)}
+    cfg = dataclasses.replace(cfg, max_seq_len=_trained_seq_len(src.run_dir) or cfg.max_seq_len)
+  hf.save_hf(out, cfg, params, base_config=base, dtype=dtype)
+  return cfg
 
 
 def convert_main(direction: str, src: str, out: str, step: Optional[int] = None,
@@ -210,7 +277,7 @@ def convert_main(direction: str, src: str, out: str, step: Optional[int] = None,
       cfg = import_hf(src, out)
     else:
       cfg = export_hf(src, out, step, dtype)
-  except (SourceError, hf.ConversionError, ValueError, OSError) as e:
+  except (SourceError, hf.ConversionError, ValueError, OSError, KeyError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"wrote {out}: {cfg.n_layers} layers x {cfg.d_model}, vocab {cfg.vocab_size}, "

@@ -31,10 +31,17 @@ tokens (stride ``seq_len``; windows never cross a shard boundary). Epoch ``e`` v
 windows in the order ``default_rng([seed, e]).permutation``; chunk ``k`` is global sequences
 ``[k C, (k+1) C)`` of that endless order. The iterator state is the next chunk index, so the
 same seed gives the same batches and resuming is exact. Each process reads only its rows.
+
+Evaluation: ``eval_set`` picks a fixed list of validation windows by the data alone (a fixed
+permutation, never the batch size or a run's seed) and hashes it; ``heldout_part`` cuts the
+validation split by document into the ``val`` and ``test`` parts studies use.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -292,8 +299,9 @@ def prepare_main(input: str, out: str, tokenizer: str = "bytes", **options) -> i
 class Windows:
   """Non-overlapping (seq_len + 1)-token windows over a list of token arrays."""
 
-  def __init__(self, arrays: list[np.ndarray], seq_len: int, name: str = "data"):
-    self.arrays, self.seq_len = arrays, seq_len
+  def __init__(self, arrays: list[np.ndarray], seq_len: int, name: str = "data",
+               sep: Optional[int] = None):
+    self.arrays, self.seq_len, self.sep = arrays, seq_len, sep  # sep: the document separator
     counts = np.array([max(0, (a.size - 1) // seq_len) for a in arrays], np.int64)
     self.starts = np.concatenate([[0], np.cumsum(counts)])
     self.n = int(self.starts[-1])
@@ -387,63 +395,114 @@ class Batches:
     self.chunk = int(state["chunk"])
 
 
-class WindowRange(Windows):
-  """Windows ``[lo, hi)`` of another ``Windows`` (a contiguous, disjoint part of a split)."""
-
-  def __init__(self, base: Windows, lo: int, hi: int, name: str = "data"):
-    if not 0 <= lo < hi <= base.n:
-      raise DataError(f"{name}: window range [{lo}, {hi}) is empty or outside [0, {base.n})")
-    self.base, self.lo, self.n, self.seq_len = base, lo, hi - lo, base.seq_len
-
-  def get(self, idx: np.ndarray) -> np.ndarray:
-    return self.base.get(np.asarray(idx) + self.lo)
-
-
 HELDOUT_PARTS = ("val", "test")
 
 
+def _documents_of(a: np.ndarray, sep: Optional[int]) -> list[np.ndarray]:
+  """The documents of one token array, each with its trailing separator (the whole array
+  when ``sep`` is None)."""
+  if sep is None:
+    return [a] if a.size else []
+  ends = np.flatnonzero(np.asarray(a) == sep) + 1
+  if not ends.size or ends[-1] != a.size:
+    ends = np.append(ends, a.size)
+  starts = np.concatenate([[0], ends[:-1]])
+  return [a[s:e] for s, e in zip(starts, ends) if e > s]
+
+
 def heldout_part(windows: Windows, part: str) -> Windows:
-  """One of two disjoint halves of the held-out split, for studies that select
-  hyperparameters on one part and report on the other: ``"val"`` = windows ``[0, n // 2)``
-  (selection), ``"test"`` = windows ``[n // 2, n)`` (reporting). Ordinary training keeps
-  evaluating on the whole held-out split."""
+  """One of two disjoint parts of the held-out split, for studies that select hyperparameters
+  on one part (``"val"``) and report on the other (``"test"``). The split is by document:
+  the held-out split's documents (ended by its separator token; each shard is one document
+  where the shards name none), numbered in order across its shards, go to ``val`` when even
+  and to ``test`` when odd; each part's windows are cut from its own documents, so no
+  document and no window is in both. Ordinary training evaluates on the whole split."""
   if part not in HELDOUT_PARTS:
     raise ValueError(f"held-out part {part!r}; allowed: {HELDOUT_PARTS}")
-  half = windows.n // 2
-  if half == 0:
-    raise DataError(f"the held-out split has {windows.n} window(s); a val/test cut needs >= 2")
-  lo, hi = (0, half) if part == "val" else (half, windows.n)
-  return WindowRange(windows, lo, hi, f"held-out {part}")
+  pick, k, arrays = HELDOUT_PARTS.index(part), 0, []
+  for a in windows.arrays:
+    docs = _documents_of(a, windows.sep)
+    mine = docs[(pick - k) % 2::2]
+    k += len(docs)
+    arrays.append(np.concatenate(mine) if mine else np.zeros((0,), a.dtype))
+  try:
+    return Windows(arrays, windows.seq_len, f"held-out {part} part", windows.sep)
+  except DataError:
+    raise DataError(f"the {part} part of the held-out split (its "
+                    f"{'even' if pick == 0 else 'odd'}-numbered documents of {k}) holds no "
+                    f"window of seq_len + 1 = {windows.seq_len + 1} tokens; a val/test split "
+                    "by document needs more held-out documents") from None
 
 
-def fit_eval_batches(windows: Windows, batch_size: int, num: int) -> tuple[int, Optional[str]]:
-  """(batches to use, warning or None): at most as many batches as the split fills without
-  repeating a window (at least one; a split smaller than one batch wraps, with a warning)."""
-  fits = windows.n // batch_size
-  if num <= fits:
-    return num, None
-  use = max(1, fits)
-  return use, (f"the validation split has {windows.n} windows of seq_len + 1 tokens, fewer "
-               f"than run.eval_batches={num} x data.batch_size={batch_size}; evaluating on "
-               + (f"{use} batch(es) instead (no window repeated)" if fits else
-                  "1 batch that repeats windows"))
+EVAL_SEED = 0x5CA1E  # the fixed order in which evaluation windows are chosen (never a run seed)
 
 
-def eval_batches(windows: Windows, batch_size: int, num: int, process_index: int = 0,
-                 process_count: int = 1) -> list[np.ndarray]:
-  """The fixed evaluation set: the first ``num * batch_size`` windows (wrapping), in order."""
-  local = batch_size // process_count
-  out = []
-  for k in range(num):
-    g = k * batch_size + process_index * local + np.arange(local)
-    out.append(windows.get(g % windows.n))
-  return out
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+  """A fixed list of held-out windows: ``index`` (sorted) into ``windows``; ``ident`` is a
+  hash of ``seq_len`` and the windows' tokens, the same for every run scored on this set."""
+  windows: Windows
+  index: np.ndarray
+  ident: str
+
+  @property
+  def n(self) -> int:
+    return int(self.index.size)
+
+  def microbatches(self, size: int, process_index: int = 0, process_count: int = 1
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens int32 [m, size / process_count, seq_len + 1], valid bool [m, size]): the set
+    in microbatches of ``size`` windows (this process's rows of each), the last one padded
+    with copies of the first window that ``valid`` marks False."""
+    m = -(-self.n // size)
+    g = np.arange(m * size).reshape(m, size)
+    valid = g < self.n
+    local = size // process_count
+    mine = g[:, process_index * local:(process_index + 1) * local]
+    idx = self.index[np.where(mine < self.n, mine, 0)]
+    return self.windows.get(idx.ravel()).reshape(m, local, -1), valid
+
+  def mean(self, ce: np.ndarray) -> float:
+    """The set's loss from the eval step's per-window CE ``[..., m, size]`` (padding left
+    out; leading axes kept, e.g. vmapped cells)."""
+    ce = np.asarray(ce, np.float64)
+    flat = ce.reshape(*ce.shape[:-2], -1)[..., :self.n]
+    return flat.mean(axis=-1)
+
+
+def eval_set(windows: Windows, eval_tokens: int) -> Optional[EvalSet]:
+  """The evaluation set of ``eval_tokens`` target tokens (``eval_tokens // seq_len`` windows,
+  at least one; None for 0): the first windows of the fixed permutation
+  ``default_rng(EVAL_SEED).permutation(windows.n)``, in index order. It depends on the data,
+  ``seq_len`` and ``eval_tokens`` only (never on the batch size or a run's seed); a smaller
+  set is a subset of a larger one; no window is in it twice (a request beyond the split
+  takes all of it)."""
+  if eval_tokens <= 0:
+    return None
+  k = min(windows.n, max(1, eval_tokens // windows.seq_len))
+  index = np.sort(np.random.default_rng(EVAL_SEED).permutation(windows.n)[:k])
+  h = hashlib.sha256(f"scaleopt-eval seq_len={windows.seq_len}\n".encode())
+  for lo in range(0, k, 256):
+    h.update(windows.get(index[lo:lo + 256]).astype("<i4").tobytes())
+  return EvalSet(windows, index, h.hexdigest()[:16])
+
+
+def heldout_eval_sets(windows: Windows, eval_tokens: int) -> dict:
+  """``{"val": EvalSet | None, "test": ...}``: the evaluation set of each held-out part."""
+  return {p: eval_set(heldout_part(windows, p), eval_tokens) for p in HELDOUT_PARTS}
+
+
+def _separator(path: str, split: str) -> Optional[int]:
+  """The document separator the split's first shard header names (None: not named)."""
+  heads = sorted(pathlib.Path(path).glob(f"{split}*.json"))
+  sep = json.loads(heads[0].read_text()).get("separator") if heads else None
+  return None if sep is None else int(sep)
 
 
 def open_split(source: str, path: Optional[str], split: str, seq_len: int
                ) -> tuple[Windows, int]:
   """(windows, vocab size) of one split of the configured source."""
   if source == "embedded":
-    return Windows([embedded_tokens(split)], seq_len, f"embedded corpus ({split})"), 256
+    return Windows([embedded_tokens(split)], seq_len, f"embedded corpus ({split})", SEP), 256
   arrays, vocab = load_shards(path, split)
-  return Windows(arrays, seq_len, f"{path} ({split})"), vocab
+  return Windows(arrays, seq_len, f"{path} ({split})", _separator(path, split)), vocab

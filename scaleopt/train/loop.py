@@ -12,6 +12,7 @@ import dataclasses
 import os
 import pathlib
 import queue
+import re
 import signal
 import sys
 import tempfile
@@ -25,7 +26,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from scaleopt import models, optim
-from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data,
+from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data, identity,
                             mesh as mesh_lib, metrics, phased as phased_lib, step as step_lib)
 from scaleopt.train.config import ConfigError, TrainConfig, dump_config
 
@@ -41,6 +42,43 @@ class SkipLimit(RuntimeError):
 
 class Interrupted(RuntimeError):
   """SIGTERM / SIGINT (preemption, Ctrl-C): the state was checkpointed, resume with --resume."""
+
+
+class OutOfMemory(RuntimeError):
+  """The device ran out of memory compiling or running a step; the message is one line with
+  the bytes asked for, the device's limit and the settings that lower them."""
+
+
+_GIB = 2.0 ** 30
+_SIZE = r"([0-9.]+)\s*([KMGT]i?B?|bytes|B)"
+
+
+def _bytes(num: str, unit: str) -> float:
+  return float(num) * 1024 ** "BKMGT".index(unit[0] if unit[0] in "KMGT" else "B")
+
+
+def out_of_memory(e: BaseException, cfg: TrainConfig) -> Optional[OutOfMemory]:
+  """The one-line OutOfMemory for an XLA ``RESOURCE_EXHAUSTED`` / out-of-memory error (None
+  for any other error). Reads the bytes asked for from the message (XLA's GPU and CPU runtimes
+  say "allocate N bytes", its TPU compiler "Used X of Y hbm") and the limit from the message
+  or the device's memory pool."""
+  text = str(e)
+  if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+    return None
+  m = (re.search(r"allocat\w*(?:\s+request\s+for)?\s+" + _SIZE, text)
+       or re.search(r"[Uu]sed\s+" + _SIZE, text))
+  asked = f"{_bytes(*m.groups()) / _GIB:.2f} GiB" if m else "an unreported amount"
+  lim = re.search(r"[Uu]sed\s+[0-9.]+\s*\S+\s+of\s+" + _SIZE, text)
+  pool = _bytes(*lim.groups()) if lim else _pool_bytes()
+  limit = f"{pool / _GIB:.2f} GiB" if pool else "unknown"
+  d, mdl = cfg.data, bridge.model_config(cfg.model)
+  return OutOfMemory(
+      f"out of device memory: the step asked for {asked}, the device's limit is {limit}; "
+      f"lower it with more data.microbatches (now {d.microbatches}: data.batch_size="
+      f"{d.batch_size} in smaller pieces, also the evaluation's), model.remat (now "
+      f"{mdl.remat!r}; 'full' keeps the fewest activations), mesh.fsdp (now {cfg.mesh.fsdp}; "
+      f"parameters and optimizer state split over that many devices) or run.eval_tokens (now "
+      f"{cfg.run.eval_tokens}; the held-out set kept on the devices)")
 
 
 class _Signals:
@@ -253,11 +291,10 @@ class Compiled:
   init: Any  # () -> TrainState
   init_with: Any  # params -> TrainState (step 0, optimizer state for these parameters)
   train_step: Any  # (state, batch) -> (state, metrics); state donated
-  eval_step: Any  # (params, tokens [B, T+1]) -> mean CE
+  eval_step: Any  # (params, tokens [m, b, T+1]) -> per-window CE [m, b], replicated
   state_shape: Any  # TrainState of ShapeDtypeStruct
   state_sh: Any
-  batch_sh: Any
-  eval_sh: Any
+  batch_sh: Any  # of training batches and of the evaluation set's microbatches
   phased: Any = None  # phased.PhasedStep where the host may pick the step's branches, else None
 
 
@@ -297,7 +334,7 @@ def compile_fns(s: Setup) -> Compiled:
   state_sh = state_sh._replace(params=param_sh)
   state_sh = state_sh._replace(opt_state=mesh_lib.in_memory_of(  # offloaded state: host memory
       s.tx.init, (state_shape.params,), state_sh.opt_state))
-  batch_sh, eval_sh = mesh_lib.batch_sharding(mesh), mesh_lib.eval_sharding(mesh)
+  batch_sh = mesh_lib.batch_sharding(mesh)
   step_fn = step_lib.make_train_step(s.model, s.tx, s.spec, s.schedule,
                                      s.cfg.run.telemetry_every, param_sh=param_sh,
                                      update_sh=opt_sh if shard_opt else None,
@@ -312,9 +349,40 @@ def compile_fns(s: Setup) -> Compiled:
       init_with=jax.jit(lambda p: init_fn()._replace(params=p, opt_state=s.tx.init(p)),
                         in_shardings=(param_sh,), out_shardings=state_sh),
       train_step=jax.jit(step_fn, **step_kw),
-      eval_step=jax.jit(step_lib.make_eval_step(s.model), in_shardings=(param_sh, eval_sh)),
-      state_shape=state_shape, state_sh=state_sh, batch_sh=batch_sh, eval_sh=eval_sh,
+      eval_step=jax.jit(step_lib.make_eval_step(s.model), in_shardings=(param_sh, batch_sh),
+                        out_shardings=mesh_lib.replicated(mesh)),
+      state_shape=state_shape, state_sh=state_sh, batch_sh=batch_sh,
       phased=phased)
+
+
+def eval_microbatch(cfg: TrainConfig) -> int:
+  """Windows per evaluation microbatch: the training microbatch's sequences."""
+  return cfg.data.batch_size // cfg.data.microbatches
+
+
+def make_evaluate(cfg: TrainConfig, fns: Compiled, ev: Optional[data.EvalSet],
+                  is_main: bool = True):
+  """``evaluate(params) -> mean CE over the evaluation set`` (NaN without one): its windows
+  put on the devices once, in microbatches of ``eval_microbatch(cfg)``."""
+  if ev is None:
+    return lambda params: float("nan")
+  want = cfg.run.eval_tokens // cfg.data.seq_len
+  if want > ev.n and is_main:
+    print(f"note: run.eval_tokens={cfg.run.eval_tokens} asks for {want} windows of "
+          f"seq_len={cfg.data.seq_len}; the held-out split holds {ev.n}, evaluating on all "
+          "of them", file=sys.stderr)
+  size = eval_microbatch(cfg)
+  toks, _ = ev.microbatches(size, jax.process_index(), jax.process_count())
+  toks = _put(fns.batch_sh, toks, (toks.shape[0], size, cfg.data.seq_len + 1))
+  return lambda params: float(ev.mean(jax.device_get(fns.eval_step(params, toks))))
+
+
+def eval_identity(ev: Optional[data.EvalSet]) -> dict:
+  """The summary's record of the evaluation set (``eval_set``: its hash; runs compare only
+  where it is equal)."""
+  if ev is None:
+    return {"eval_set": None, "eval_windows": 0}
+  return {"eval_set": ev.ident, "eval_windows": ev.n}
 
 
 class _Meter:
@@ -377,23 +445,33 @@ def check_out_dir(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool) -
   return config_lib.check_resume(cfg, out) if has_ckpts else {}
 
 
+def data_record(cfg: TrainConfig, out: pathlib.Path, resume: bool) -> dict:
+  """What the run trains on (``identity.describe``); resuming a run that has checkpoints, the
+  record it wrote when it started must match (else a one-line ConfigError)."""
+  record = identity.describe(cfg)
+  ck = pathlib.Path(out) / "checkpoints"
+  if resume and ck.is_dir() and any(ck.iterdir()):
+    identity.check(pathlib.Path(out), record)
+  return record
+
+
 def dry_run(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False) -> str:
   """Every check a real run makes before its first step, and the traced (not compiled) step;
   writes nothing. Returns a one-line description."""
   changes = check_out_dir(cfg, out_dir, resume)
   s = setup(cfg)
+  data_record(cfg, out_dir, resume)
   fns = compile_fns(s)
   d = cfg.data
   jax.eval_shape(fns.train_step, fns.state_shape, abstract_batch(s))
-  jax.eval_shape(fns.eval_step, fns.state_shape.params,
-                 jax.ShapeDtypeStruct((d.batch_size, d.seq_len + 1), np.int32))
-  n_eval, warn = data.fit_eval_batches(s.val_w, d.batch_size, cfg.run.eval_batches)
-  if warn:
-    print(f"warning: {warn}", file=sys.stderr)
+  ev = data.eval_set(s.val_w, cfg.run.eval_tokens)
+  if ev is not None:
+    jax.eval_shape(fns.eval_step, fns.state_shape.params, jax.ShapeDtypeStruct(
+        (-(-ev.n // eval_microbatch(cfg)), eval_microbatch(cfg), d.seq_len + 1), np.int32))
   extra = f"; resumable changes: {', '.join(changes)}" if changes else ""
   return (f"config ok: {models.count_params(s.model.cfg):,} parameters, optimizer "
           f"{cfg.optimizer['name']} ({s.spec.layout}), {s.train_w.n:,} training windows, "
-          f"{n_eval} eval batches, mesh {dict(s.mesh.shape)}{extra}")
+          f"{ev.n if ev else 0} eval windows, mesh {dict(s.mesh.shape)}{extra}")
 
 
 def _start_outputs(cfg: TrainConfig, out: pathlib.Path, resuming: bool) -> None:
@@ -418,7 +496,13 @@ def train(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False,
   # Join a multi-process run first: its preemption notifier then owns SIGTERM (``_Signals``).
   mesh_lib.maybe_initialize_distributed(cfg.mesh.distributed)
   with _Signals() as sig:  # from the start: a signal during set-up stops after the first step
-    return _train(cfg, out_dir, resume, s, sig)
+    try:
+      return _train(cfg, out_dir, resume, s, sig)
+    except Exception as e:  # noqa: BLE001 -- only out-of-memory is translated, the rest re-raises
+      oom = out_of_memory(e, cfg)
+      if oom is None:
+        raise
+    raise oom  # outside the handler: no chained traceback, the step's arrays are freed
 
 
 @dataclasses.dataclass
@@ -438,11 +522,9 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
   out = pathlib.Path(out_dir)
   changes = check_out_dir(cfg, out, resume)
   s = s or setup(cfg)
+  record = data_record(cfg, out, resume)
   r, d = cfg.run, cfg.data
   is_main = jax.process_index() == 0
-  n_eval, warn = data.fit_eval_batches(s.val_w, d.batch_size, r.eval_batches)
-  if warn and is_main:
-    print(f"warning: {warn}", file=sys.stderr)
   fns = compile_fns(s)
 
   # Data: training batches in the optimizer's layout, a fixed held-out set on the devices.
@@ -450,17 +532,14 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
   it = data.Batches(s.train_w, d.batch_size, d.microbatches, groups=s.spec.num_groups,
                     rolling_b=s.spec.layout == "rolling_b", seed=r.seed, process_index=pi,
                     process_count=pc)
-  evals = [_put(fns.eval_sh, b, (d.batch_size, d.seq_len + 1))
-           for b in data.eval_batches(s.val_w, d.batch_size, n_eval, pi, pc)]
-
-  def evaluate(params) -> float:
-    if not evals:
-      return float("nan")
-    return float(np.mean(jax.device_get([fns.eval_step(params, b) for b in evals])))
+  ev = data.eval_set(s.val_w, r.eval_tokens)
+  evaluate = make_evaluate(cfg, fns, ev, is_main)
 
   health = jax.jit(lambda st: (st.consec, optax.tree.norm(st.params)))
   start, state, ckpt = _restore_or_init(cfg, s, fns, it, out, resume, health)
   step0 = int(jax.device_get(state.step))
+  if is_main and start is None:
+    identity.write(out, record)
   if is_main and changes:
     config_lib.record_changes(out, changes, step0)
     print("resuming with changed " + ", ".join(f"{k} ({a!r} -> {b!r})" for k, (a, b) in
@@ -491,7 +570,7 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
       feed.close()
     log.close()
     ckpt.close()
-  summary = _summary(cfg, s, res, meter, start)
+  summary = {**_summary(cfg, s, res, meter, start), **eval_identity(ev)}
   if is_main:
     metrics.write_summary(out, summary)
     if r.plot:
@@ -557,7 +636,8 @@ def _restore_or_init(cfg: TrainConfig, s: Setup, fns: Compiled, it: data.Batches
     print(f"resumed from {ckpt_dir}/{start}", file=sys.stderr)
     return start, state, ckpt
   if resume:
-    print(f"no checkpoint in {ckpt_dir}; starting from scratch", file=sys.stderr)
+    print(f"note: --resume: {ckpt_dir} holds no checkpoint; starting a new run at step 0",
+          file=sys.stderr)
   if s.model.init_from:  # a fresh run from given parameters, fresh optimizer state
     state = fns.init_with(convert.init_params(s.model.init_from, s.model.cfg,
                                               fns.state_sh.params))

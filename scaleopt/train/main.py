@@ -11,7 +11,7 @@ from scaleopt.train.data import DataError
 def train_main(config_path: str, out_dir: str, overrides: list[str] | None = None,
                resume: bool = False, dry_run: bool = False) -> int:
   """Runs one training job; returns 0, 2 (bad config or data, no intact checkpoint, a
-  checkpoint or output that cannot be written), 3 (stopped after too many non-finite steps)
+  checkpoint or output that cannot be written, out of device memory), 3 (stopped after too many non-finite steps)
   or 143 (SIGTERM/SIGINT: checkpointed, resume with --resume). Errors are one line on stderr.
 
   ``dry_run``: make every check a run makes before its first step, trace the step, write
@@ -35,6 +35,9 @@ def train_main(config_path: str, out_dir: str, overrides: list[str] | None = Non
     print(f"error: {e}", file=sys.stderr)
     return 2
   except OSError as e:  # e.g. the disk filled up while writing metrics
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except loop.OutOfMemory as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except loop.SkipLimit as e:

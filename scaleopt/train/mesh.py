@@ -173,9 +173,9 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(None, BATCH_AXES, None))
 
 
-def eval_sharding(mesh: Mesh) -> NamedSharding:
-  """Sharding of a ``[B, T+1]`` eval batch."""
-  return NamedSharding(mesh, P(BATCH_AXES, None))
+def replicated(mesh: Mesh) -> NamedSharding:
+  """Every device holds the whole array (small outputs the host reads, e.g. eval losses)."""
+  return NamedSharding(mesh, P())
 
 
 def param_shardings(mesh: Mesh, params_shape: Any, rules: Callable) -> Any:

@@ -153,9 +153,16 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
 
 
 def make_eval_step(model: bridge.Model) -> Callable:
-  """``eval_step(params, tokens [B, T+1]) -> mean next-token cross-entropy``."""
+  """``eval_step(params, tokens [m, b, T+1]) -> [m, b]`` float32: each window's mean
+  next-token cross-entropy, one microbatch of b windows at a time (``lax.scan`` over m, the
+  training step's microbatch layout), so at most one microbatch's logits exist at once (with
+  the fused head, ``model.loss_chunks`` slices of them). The caller averages the windows of
+  the evaluation set (``scaleopt.train.data.EvalSet``), leaving out its padding."""
 
   def eval_step(params: PyTree, tokens: jax.Array) -> jax.Array:
-    return model.loss_fn(params, tokens)[1]["ce"]
+    def one(carry, mb):
+      return carry, model.window_ce(params, mb)
+
+    return jax.lax.scan(one, None, tokens)[1]
 
   return eval_step

@@ -114,11 +114,13 @@ def test_fine_tune_from_hf_weights_with_adamw_bc_then_export(tmp_path, capsys):
   shards.mkdir()
   rng = np.random.default_rng(0)
   for split, n in (("train", 20_000), ("val", 2_000)):
-    D.write_shard(shards / f"{split}_000", rng.integers(0, 96, n), 96, "test")
+    D.write_shard(shards / f"{split}_000", rng.integers(0, 96, n), 96, "test", separator=7)
+  tok = FIX / "qwen2_tokenizer" / "tokenizer.json"  # the shards' tokenizer (any file will do)
+  (shards / "tokenizer.json").write_bytes(tok.read_bytes())
   run = tmp_path / "run"
   cfg = tmp_path / "ft.yaml"
   body = {
-      "run": {"steps": 3, "log_every": 1, "eval_every": 0, "eval_batches": 1,
+      "run": {"steps": 3, "log_every": 1, "eval_every": 0, "eval_tokens": 256,
               "checkpoint_every": 0, "progress": False, "plot": False},
       "model": {"preset": "tiny", "vocab_size": 96, "d_model": 32, "n_layers": 2,
                 "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "qkv_bias": True,
@@ -144,6 +146,23 @@ def test_fine_tune_from_hf_weights_with_adamw_bc_then_export(tmp_path, capsys):
   delta = max(float(np.abs(a[k] - b[k]).max()) for k in a)
   # started from the checkpoint (a fresh init would be O(1) away) and moved by ~lr per step
   assert 0 < delta < 3 * 10 * 1e-3, delta
+  # the run's tokenizer, its document separator as bos/eos and the trained context length
+  out = json.loads((tmp_path / "hf_out" / "config.json").read_text())
+  assert (out["bos_token_id"], out["eos_token_id"], out["max_position_embeddings"]) == (7, 7, 16)
+  assert (tmp_path / "hf_out" / "tokenizer.json").read_bytes() == tok.read_bytes()
+
+
+def test_a_byte_level_run_exports_a_tokenizer_note(tmp_path):
+  from scaleopt.train import convert
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.yaml").write_text(yaml.safe_dump({"data": {"source": "embedded",
+                                                            "seq_len": 48}}))
+  assert convert._run_tokenizer(run, tmp_path / "out") == {"bos_token_id": 0, "eos_token_id": 0}
+  note = (tmp_path / "out" / "TOKENIZER.md").read_text()
+  assert "UTF-8 bytes" in note and "Id 0 separates documents" in note
+  assert not (tmp_path / "out" / "tokenizer.json").exists()
+  assert convert._trained_seq_len(run) == 48
 
 
 def test_tokenizer_files_travel_with_the_conversion(tmp_path):
@@ -157,3 +176,27 @@ def test_tokenizer_files_travel_with_the_conversion(tmp_path):
   assert convert_main("export", str(tmp_path / "conv"), str(tmp_path / "out")) == 0
   for f in ("tokenizer.json", "tokenizer_config.json"):
     assert (tmp_path / "out" / f).read_bytes() == (src / f).read_bytes()
+
+
+def test_init_from_takes_the_architecture_from_the_source(tmp_path):
+  from scaleopt.train import bridge, config as C, convert
+  src = FIX / "qwen2"
+  want = hf.config_from_hf(json.loads((src / "config.json").read_text()))
+  raw = {"model": {"preset": "tiny", "dtype": "float32", "init_from": str(src)},
+         "optimizer": {"name": "adamw"}}
+  cfg = C.from_dict(raw)
+  got = bridge.model_config(cfg.model)
+  for f in convert.architecture_fields():
+    assert getattr(got, f) == getattr(want, f), f
+  assert got.dtype == "float32"  # a setting that does not change the parameters stays
+  convert.check_matches(convert.open_source(src), got)
+  # the recorded config names the whole architecture: it loads without the source
+  C.dump_config(cfg, tmp_path / "config.yaml")
+  saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+  saved["model"]["init_from"] = str(tmp_path / "gone")
+  assert bridge.model_config(C.from_dict(saved).model) == got
+  # a field set to another value than the source's is named
+  raw["model"].update(n_heads=want.n_heads * 2, rope_theta=10.0)  # every difference at once
+  with pytest.raises(convert.SourceError, match="model.n_heads=.*; model.rope_theta=10.0"):
+    convert.check_matches(convert.open_source(src),
+                          bridge.model_config(C.from_dict(raw).model))

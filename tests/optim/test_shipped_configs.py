@@ -73,8 +73,8 @@ def test_shipped_optimizer_config_trains_below_unigram_entropy(name, opt):
   for _ in range(STEPS):
     state, metrics = train_step(state, jax.tree.map(jnp.asarray, it.next()))
   eval_step = jax.jit(step_lib.make_eval_step(model))
-  ev = float(np.mean([eval_step(state.params, jnp.asarray(b))
-                      for b in data.eval_batches(val_w, BATCH, 4)]))
+  es = data.eval_set(val_w, 4 * BATCH * SEQ)
+  ev = float(es.mean(eval_step(state.params, jnp.asarray(es.microbatches(BATCH)[0]))))
   h = val_unigram_entropy()
   assert int(state.skipped) == 0, name
   assert ev < h, (name, ev, h)

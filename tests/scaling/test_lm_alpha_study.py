@@ -21,7 +21,7 @@ import lm_alpha_report  # noqa: E402
 LM_ALPHA = str(ROOT / "configs" / "studies" / "lm_alpha.yaml")
 WIDTHS = (64, 128, 256)
 CELLS = [f"adamw+{w}/*" for w in WIDTHS]
-MICRO = ["run.steps=6", "run.log_every=3", "run.eval_batches=1", "data.seq_len=16",
+MICRO = ["run.steps=6", "run.log_every=3", "run.eval_tokens=128", "data.seq_len=16",
          "data.batch_size=8", "model.n_layers=1", "model.max_seq_len=16", "model.dtype=float32",
          "optimizer.schedule.warmup_steps=2", "seeds=[0,1]", "engine.cells_at_once=6"]
 

@@ -17,7 +17,7 @@ from train_helpers import tiny_raw  # noqa: E402
 
 
 def _cfg(lr, seed, steps=6):
-  raw = tiny_raw(run={"steps": steps, "log_every": 1, "eval_every": 0, "eval_batches": 1,
+  raw = tiny_raw(run={"steps": steps, "log_every": 1, "eval_every": 0, "eval_tokens": 256,
                       "checkpoint_every": 0, "tensorboard": False, "seed": seed,
                       "async_checkpoint": False},
                  data={"seq_len": 32, "batch_size": 8, "microbatches": 2},

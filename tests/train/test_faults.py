@@ -332,17 +332,14 @@ def test_shard_tokens_outside_vocabulary(tmp_path, capsys):
   assert not (tmp_path / "run").exists()
 
 
-def test_eval_batches_beyond_validation_set_are_capped(capsys, tmp_path):
+def test_eval_tokens_beyond_the_heldout_split_take_it_whole(capsys, tmp_path):
   w = D.Windows([np.arange(41) % 7], 4)  # (41 - 1) // 4 = 10 windows
-  assert D.fit_eval_batches(w, 4, 2) == (2, None)
-  n, warn = D.fit_eval_batches(w, 4, 5)
-  assert n == 2 and "10 windows" in warn and "no window repeated" in warn
-  n, warn = D.fit_eval_batches(w, 16, 1)
-  assert n == 1 and "repeats" in warn
+  assert D.eval_set(w, 8).n == 2 and D.eval_set(w, 1).n == 1 and D.eval_set(w, 0) is None
+  assert sorted(D.eval_set(w, 10**6).index) == list(range(10))  # every window once
   cfg = tmp_path / "c.yaml"
-  cfg.write_text(yaml.safe_dump(tiny_raw(run={"eval_batches": 100000})))
+  cfg.write_text(yaml.safe_dump(tiny_raw(run={"eval_batches": 4})))
   rc, err = _cli(capsys, "train", "--config", cfg, "--out", tmp_path / "run", "--dry-run")
-  assert rc == 0 and len(err) == 1 and err[0].startswith("warning: the validation split")
+  _one_line_error(rc, err, "run.eval_batches", "run.eval_tokens")
   assert not (tmp_path / "run").exists()
 
 

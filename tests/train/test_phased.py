@@ -13,7 +13,7 @@ from scaleopt.train import checkpoint, config as C, loop, phased
 from train_helpers import tiny_raw
 
 # roots on even steps (count % 2), telemetry on odd ones ((step + 1) % 2): two programs
-RAW = tiny_raw(run={"steps": 6, "checkpoint_every": 0, "eval_every": 0, "eval_batches": 0,
+RAW = tiny_raw(run={"steps": 6, "checkpoint_every": 0, "eval_every": 0, "eval_tokens": 0,
                     "tensorboard": False, "telemetry_every": 2, "log_every": 1},
                optimizer={"name": "shampoo", "extra": {"root_every": 2, "block_size": 16}})
 

@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_tiny_run_beats_unigram_entropy(tmp_path):
-  raw = tiny_raw(run={"steps": 120, "log_every": 20, "eval_every": 60, "eval_batches": 4,
+  raw = tiny_raw(run={"steps": 120, "log_every": 20, "eval_every": 60, "eval_tokens": 4096,
                       "checkpoint_every": 0, "plot": True},
                  model={"d_model": 64, "n_layers": 2, "d_ff": 128},
                  data={"seq_len": 64, "batch_size": 16, "microbatches": 1})
@@ -174,8 +174,9 @@ def test_shards_source_trains(tmp_path):
 
 
 def test_eval_loss_matches_direct_computation(reference_run):
-  """The logged eval loss equals the cross-entropy of the final parameters on the first
-  eval_batches x batch_size validation windows, computed here without the training stack."""
+  """The logged eval loss equals the cross-entropy of the final parameters on the documented
+  evaluation windows (the first eval_tokens // seq_len of the permutation of seed
+  data.EVAL_SEED, each window once), computed here without the training stack."""
   from scaleopt import models
   from scaleopt.train import checkpoint, step as step_lib
   cfg_path, ref = reference_run
@@ -186,9 +187,10 @@ def test_eval_loss_matches_direct_computation(reference_run):
   ck = checkpoint.Checkpointer(ref / "checkpoints", 10, False)
   state, _ = ck.restore(24, checkpoint.abstract(init, jax.tree.map(lambda _: dev, init)))
   T = cfg.data.seq_len
-  n = cfg.run.eval_batches * cfg.data.batch_size
   val = np.asarray(D.embedded_tokens("val")).astype(np.int64)
-  x = np.stack([val[i * T:i * T + T + 1] for i in range(n)])
+  n_windows = (val.size - 1) // T
+  pick = np.random.default_rng(D.EVAL_SEED).permutation(n_windows)[:cfg.run.eval_tokens // T]
+  x = np.stack([val[i * T:i * T + T + 1] for i in pick])
   _, apply = models.functional(s.model.cfg)
   logits = np.asarray(apply(state.params, x[:, :-1])[0], np.float64)
   logp = logits - logits.max(-1, keepdims=True)

@@ -10,7 +10,7 @@ import numpy as np
 from scaleopt.train import data as D
 
 BASE = {
-    "run": {"seed": 0, "steps": 20, "log_every": 1, "eval_every": 10, "eval_batches": 2,
+    "run": {"seed": 0, "steps": 20, "log_every": 1, "eval_every": 10, "eval_tokens": 1024,
             "checkpoint_every": 5, "keep_checkpoints": 10, "progress": False,
             "tensorboard": True, "plot": False},
     "model": {"preset": "tiny", "dtype": "float32", "d_model": 32, "n_layers": 1,
