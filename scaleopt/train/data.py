@@ -494,8 +494,14 @@ def heldout_eval_sets(windows: Windows, eval_tokens: int) -> dict:
 
 def _separator(path: str, split: str) -> Optional[int]:
   """The document separator the split's first shard header names (None: not named)."""
-  heads = sorted(pathlib.Path(path).glob(f"{split}*.json"))
-  sep = json.loads(heads[0].read_text()).get("separator") if heads else None
+  if is_url(path):
+    import fsspec
+    fs, root = fsspec.core.url_to_fs(path)
+    heads = sorted(fs.glob(root.rstrip("/") + f"/{split}*.json"))
+    sep = json.loads(fs.cat_file(heads[0])).get("separator") if heads else None
+  else:
+    heads = sorted(pathlib.Path(path).glob(f"{split}*.json"))
+    sep = json.loads(heads[0].read_text()).get("separator") if heads else None
   return None if sep is None else int(sep)
 
 

@@ -13,7 +13,9 @@ holding the hash of its tokens). ``check(out, now)`` compares the contents -- ev
 hash and size, the tokenizer's hash -- with the record of a run being resumed, and refuses a
 difference in one line naming the first file that changed; the folder may have moved (the
 paths are kept for the reader, not compared). Hashing reads every shard once (SHA-256, the
-files in parallel threads: about 1 s per GB per core).
+files in parallel threads: about 1 s per GB per core). Shards on a URL are recorded by size
+and the file system's key of each file (``fs.ukey``: ETag, generation or modification time)
+instead of a hash of their contents.
 """
 
 from __future__ import annotations
@@ -69,10 +71,32 @@ def describe(cfg: TrainConfig) -> dict:
     return {"source": "embedded", "python": sys.version.split()[0], "splits": splits,
             "tokenizer": {"name": "bytes", "file": None, "sha256": None,
                           "separator": data.SEP}}
+  if data.is_url(d.path):
+    return _describe_url(d.path)
   root = pathlib.Path(d.path).resolve()
   return {"source": "shards", "path": str(root), "config_path": d.path,
           "splits": {s: _shards(root, s) for s in ("train", "val")},
           "tokenizer": tokenizer_record(root)}
+
+
+def _describe_url(url: str) -> dict:
+  """Shards on an fsspec file system: each file's size and the file system's key of it
+  (``ukey``: built from its ETag / generation / modification time), not a content hash, which
+  would read the whole corpus over the network."""
+  import fsspec
+  fs, root = fsspec.core.url_to_fs(url)
+  root = root.rstrip("/")
+  splits = {s: [{"file": b.rsplit("/", 1)[-1], "bytes": fs.size(b), "ukey": fs.ukey(b)}
+                for b in sorted(fs.glob(f"{root}/{s}*.bin"))] for s in ("train", "val")}
+  heads = sorted(fs.glob(f"{root}/train*.json"))
+  head = json.loads(fs.cat_file(heads[0])) if heads else {}
+  tj = f"{root}/tokenizer.json"
+  has_tj = fs.exists(tj)
+  tok = {"name": head.get("tokenizer"), "file": url.rstrip("/") + "/tokenizer.json" if has_tj
+         else None, "sha256": hashlib.sha256(fs.cat_file(tj)).hexdigest() if has_tj else None,
+         "separator": head.get("separator")}
+  return {"source": "shards", "path": url, "config_path": url, "splits": splits,
+          "tokenizer": tok}
 
 
 def read(out: pathlib.Path) -> Optional[dict]:
@@ -98,9 +122,10 @@ def _first_change(old: dict, now: dict) -> Optional[str]:
         return f"{name} is gone"
       if name not in a:
         return f"{name} is new"
-      if (a[name]["sha256"], a[name]["bytes"]) != (b[name]["sha256"], b[name]["bytes"]):
-        return (f"{name} changed ({a[name]['bytes']} bytes, sha256 {a[name]['sha256'][:12]} -> "
-                f"{b[name]['bytes']} bytes, sha256 {b[name]['sha256'][:12]})")
+      key = "sha256" if "sha256" in a[name] else "ukey"  # content hash, or a URL's file key
+      if (a[name].get(key), a[name]["bytes"]) != (b[name].get(key), b[name]["bytes"]):
+        return (f"{name} changed ({a[name]['bytes']} bytes, {key} {str(a[name].get(key))[:12]} "
+                f"-> {b[name]['bytes']} bytes, {key} {str(b[name].get(key))[:12]})")
   ta, tb = old.get("tokenizer") or {}, now.get("tokenizer") or {}
   if (ta.get("name"), ta.get("sha256")) != (tb.get("name"), tb.get("sha256")):
     return f"the tokenizer changed ({ta.get('name')!r} -> {tb.get('name')!r})"

@@ -123,7 +123,7 @@ def test_bad_config_names_the_key(cfg, match):
                                       ("schedule_free_adamw", 1e-2), ("soap", 1e-2)])
 def test_trains_below_unigram_entropy(name, lr, tmp_path):
   from scaleopt.train import config as C, loop
-  raw = tiny_raw(run={"steps": 100, "log_every": 50, "eval_every": 0, "eval_batches": 4,
+  raw = tiny_raw(run={"steps": 100, "log_every": 50, "eval_every": 0, "eval_tokens": 4096,
                       "checkpoint_every": 0, "tensorboard": False},
                  model={"d_model": 64, "n_layers": 1, "d_ff": 128},
                  data={"seq_len": 64, "batch_size": 16, "microbatches": 1},

@@ -200,3 +200,23 @@ def test_data_prepare_refuses_a_url_out_without_making_a_folder(tmp_path, capsys
   err = capsys.readouterr().err
   assert "'gs://bucket/shards'" in err and "local folder" in err and err.count("\n") == 1
   assert not (tmp_path / "gs:").exists()
+
+
+def test_a_run_on_url_shards_records_them_and_a_changed_shard_is_named(tmp_path):
+  from scaleopt.train import identity
+  local = _shards(tmp_path)
+  url = f"memory://bucket/{tmp_path.name}/ident"
+  _to_memory(local, url)
+  assert D._separator(url, "train") == D._separator(str(local), "train") is not None
+  cfg = C.from_dict(tiny_raw(data={"source": "shards", "path": url}))
+  old = identity.describe(cfg)
+  assert old["path"] == url and len(old["splits"]["train"]) > 2
+  assert identity._first_change(old, identity.describe(cfg)) is None
+  fs = fsspec.filesystem("memory")
+  first = old["splits"]["train"][0]["file"]
+  path = url.removeprefix("memory://") + "/" + first
+  blob = bytearray(fs.cat_file(path))
+  blob[0] ^= 1  # same size, other contents: the file system's key changes
+  time.sleep(0.01)
+  fs.pipe(path, bytes(blob))
+  assert first in identity._first_change(old, identity.describe(cfg))
