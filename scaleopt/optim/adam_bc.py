@@ -252,15 +252,17 @@ def _statistic(h: _Hyper, grp, m) -> tuple[PyTree, PyTree]:
                          grp.var)
 
 
-def _ab_leaf(h, t_bc, g, mu, nu, x, var_x):
-  """One tensor of the A/B (and inv) forms: m <- g_A, v <- x_B, u = m_hat inv(v_hat)."""
+def _ab_leaf(h, t_bc, g, raw, mu, nu, x, var_x):
+  """One tensor of the A/B (and inv) forms: m <- g_A, v <- x_B, u = m_hat inv(v_hat);
+  ``raw`` is g_A before a numerator-only clip (the alpha mix's g_A^2)."""
   bc1, bc2, b = t_bc
   if h.adaptive:
-    alpha = adaptive_alpha(g, x, h.crossfit_alpha)
+    alpha = adaptive_alpha(raw, x, h.crossfit_alpha)
   else:
     alpha = h.crossfit_alpha
-  x = (1 - alpha) * (g * g) + alpha * x  # alpha = 1 leaves x bit-identical
-  var_x = None if var_x is None else (alpha * alpha) * var_x
+  x = (1 - alpha) * (raw * raw) + alpha * x  # alpha = 1 leaves x bit-identical
+  if var_x is not None and h.correction != "reference_post_ema":
+    var_x = (alpha * alpha) * var_x  # Var of the mixed statistic's B part: alpha^2 Var(x_B)
   m_new = b1_mix(h.b1, mu, g)
   v_new = h.b2 * nu + (1 - h.b2) * x
   inv = corrected_inverse(jnp.maximum(v_new / bc2, 0.0), var_x, b, h.eps, h.correction,
@@ -295,17 +297,19 @@ def _loo_leaf(h, g, mu, nu, first, third, dvar):
   return u, b1_mix(h.b1, mu, g), h.b2 * nu + (1 - h.b2) * g * g
 
 
-def _std_leaf(h, t_bc, g, mu, nu):
+def _std_leaf(h, t_bc, g, raw, mu, nu):
+  """Adam: m <- g, v <- raw^2 (raw: g before a numerator-only clip, else g)."""
   bc1, bc2, _ = t_bc
-  m_new, v_new = b1_mix(h.b1, mu, g), h.b2 * nu + (1 - h.b2) * g * g
+  m_new, v_new = b1_mix(h.b1, mu, g), h.b2 * nu + (1 - h.b2) * raw * raw
   return (m_new / bc1) / (jnp.sqrt(v_new / bc2) + h.eps), m_new, v_new
 
 
-def _directions(h, mode, crossfit, t_bc, g, state, st):
-  """(u, m, v) trees of the chosen form; ``g`` is the float32 numerator."""
+def _directions(h, mode, crossfit, t_bc, g, raw, state, st):
+  """(u, m, v) trees of the chosen form; ``g`` is the float32 numerator, ``raw`` the same
+  before a numerator-only clip (second-moment statistics; see ``collect.clip_by_global_norm``)."""
   mu, nu = state.mu, state.nu
   if mode == "std":
-    return unzip(tmap(lambda *a: _std_leaf(h, t_bc, *a), g, mu, nu), g, 3)
+    return unzip(tmap(lambda *a: _std_leaf(h, t_bc, *a), g, raw, mu, nu), g, 3)
   if mode in ("cf", "full") and crossfit == "loo":
     if st.loo is None:
       raise ValueError("crossfit='loo' needs bc_stats from the 'loo' layout")
@@ -322,7 +326,7 @@ def _directions(h, mode, crossfit, t_bc, g, state, st):
     raise ValueError("a variance correction needs group variances in bc_stats; collect them "
                      "with scaleopt.optim.collect from this transform's state")
   x, var_x = align(x, g), align(zeros(var_x), g)
-  return unzip(tmap(lambda *a: _ab_leaf(h, t_bc, *a), g, mu, nu, x, var_x), g, 3)
+  return unzip(tmap(lambda *a: _ab_leaf(h, t_bc, *a), g, raw, mu, nu, x, var_x), g, 3)
 
 
 def scale_by_adam_bc(
@@ -366,7 +370,10 @@ def scale_by_adam_bc(
     mode, crossfit, correction, v_source: see above and the module docstring.
     correction_scale: multiplies the subtracted delta-method term (1.0 = delta method).
     reference_pre_ema: use the reference code's 3/8 pre-EMA coefficient instead of 1/8.
-    crossfit_alpha: partial cross-fit, x = (1-alpha) g_A^2 + alpha x_B (``ab`` forms).
+    crossfit_alpha: partial cross-fit, x = (1-alpha) g_A^2 + alpha x_B (``ab`` forms). The
+      ``post_ema``/``pre_ema`` corrections use alpha^2 Var(x_B), the variance of the part of x
+      that B contributes (delta method on the statistic that enters v); ``reference_post_ema``
+      uses Var(p_bar) of B's denominators unscaled, as the authors' code does.
     crossfit_alpha_adaptive: alpha = crossfit_alpha clip(cos(g_A^2, x_B), 0, 1) per tensor.
     update_clip: if > 0, clip every coordinate of u to [-c, c] (trust region).
     support_clip_tau: if > 0, u_k <- u_k min(1, sqrt(tau (x_k + 1e-12) / (g_Ak^2 + 1e-12))).
@@ -406,14 +413,16 @@ def scale_by_adam_bc(
     bc2 = 1 - b2 ** count_inc
     t_bc = (1 - b1 ** count_inc, bc2, (1 - b2) / bc2)
     g = tmap(lambda x: x.astype(jnp.float32), updates)
-    u, m_new, v_new = _directions(h, mode, crossfit, t_bc, g, state, bc_stats)
+    raw = g if bc_stats is None else tmap(lambda u, n: n.astype(jnp.float32), updates,
+                                          align(bc_stats.numerator, updates))
+    u, m_new, v_new = _directions(h, mode, crossfit, t_bc, g, raw, state, bc_stats)
     if mode in ("cf", "full") and crossfit in ("ab", "rolling_b") and not is_zero(support_clip_tau):
       u = _support_clip(u, g, bc_stats, v_source, support_clip_tau)
     if not is_zero(update_clip):  # arrays under inject_hyperparams: 0 still means off
       u = tmap(lambda x: jnp.where(update_clip > 0, jnp.clip(x, -update_clip, update_clip), x), u)
     if not is_zero(std_warmup_steps):
       full = align(bc_stats.full, g) if bc_stats is not None else g
-      w = unzip(tmap(lambda *a: _std_leaf(h, t_bc, *a), full, state.mu, state.nu), g, 3)
+      w = unzip(tmap(lambda *a: _std_leaf(h, t_bc, *a), full, full, state.mu, state.nu), g, 3)
       warm = state.count < std_warmup_steps
       u, m_new, v_new = (tmap(lambda a, b_: jnp.where(warm, a, b_), x, y)
                          for x, y in zip(w, (u, m_new, v_new)))
@@ -500,11 +509,18 @@ def adamw_bc(
 
 
 def full_batch(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-  """Feeds ``bc_stats.full`` (when given) to ``inner`` instead of the numerator gradient."""
+  """Feeds ``bc_stats.full`` (when given) to ``inner`` instead of the numerator gradient:
+  scaled by the numerator-only clip factor c (``bc_stats.numerator_clip``) as the first moment's
+  input, unscaled as ``inner``'s ``bc_stats.numerator`` (its second-moment statistics)."""
+
+  inner = optax.with_extra_args_support(inner)
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
-    if bc_stats is not None:
-      updates = tmap(lambda u, f: f.astype(u.dtype), updates, align(bc_stats.full, updates))
-    return inner.update(updates, state, params)
+    if bc_stats is None:
+      return inner.update(updates, state, params)
+    c = bc_stats.numerator_clip
+    updates = tmap(lambda u, f: (c * f).astype(u.dtype), updates, align(bc_stats.full, updates))
+    return inner.update(updates, state, params, bc_stats=bc_stats._replace(
+        numerator=bc_stats.full))
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)

@@ -49,7 +49,13 @@ Clipping (``clip_by_global_norm`` of this module): one factor c = min(1, max_nor
 from the full-batch gradient norm, applied to every statistic (means by c, squares and
 variances of gradients by c^2, variances of squares by c^4, LOO folds on c g_r), so the
 preconditioned update is the one of the clipped gradient stream, as ``optax`` composes clip
-and Adam. ``numerator_only=True`` reproduces the reference code (only the numerator scaled).
+and Adam. ``numerator_only=True`` reproduces the reference code: c = min(1, max_norm /
+||numerator||) scales what enters the first moment (``BCStats.numerator_clip``) and nothing
+else; every second-moment statistic (Adam's v, the g_A^2 of the alpha mix, Shampoo's factors
+and its AdamW fallback's v, the LOO folds) comes from the unclipped gradients, which the
+transforms read from ``bc_stats.numerator``. The one exception is the reference's leave-one-out
+form, whose persistent m and v both take the clipped g_full (its buffers alias the clipped
+gradient).
 """
 
 from __future__ import annotations
@@ -116,6 +122,8 @@ class BCStats(NamedTuple):
     loss: mean loss over the step's own microbatches (as ``full``).
     aux: mean of the loss function's auxiliary outputs (as ``loss``).
     clip_factor: the clip factor c applied to the statistics (1.0 without clipping).
+    numerator_clip: the reference clip's factor min(1, max_norm / ||numerator||), applied to
+      the numerator alone (``clip_by_global_norm(..., numerator_only=True)``; 1.0 otherwise).
     precond: optimizer-specific estimator output (Sophia's curvature, Shampoo's factor
       statistics); None otherwise.
   """
@@ -128,6 +136,7 @@ class BCStats(NamedTuple):
   aux: PyTree
   clip_factor: jax.Array = 1.0
   precond: Any = None
+  numerator_clip: jax.Array = 1.0
 
 
 class Welford(NamedTuple):
@@ -572,8 +581,8 @@ def scale_group(s: Optional[GroupStats], c, var_of: Optional[str]) -> Optional[G
   return GroupStats(sc(s.mean, c), sc(s.sq, c * c), sc(s.var, kv), s.count)
 
 
-def _clip_of(found: list[Found], spec: CollectorSpec):
-  if spec.clip != "consistent":
+def _clip_of(found: list[Found], spec: CollectorSpec, kind: str = "consistent"):
+  if spec.clip != kind:
     return None
   return next(f.hp["max_norm"] for f in found if "max_norm" in f.hp)
 
@@ -698,10 +707,14 @@ def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, opt_state: Py
   max_norm = _clip_of(found, spec)
   token = _AXIS.set(microbatch_axis if spec.vmap else None)
   try:
-    return _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
-                    b_microbatches)
+    stats = _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
+                     b_microbatches)
   finally:
     _AXIS.reset(token)
+  num_norm = _clip_of(found, spec, "numerator")
+  if num_norm is None:
+    return stats
+  return stats._replace(numerator_clip=clip_factor(stats.numerator, num_norm))
 
 
 def _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
@@ -734,7 +747,9 @@ def clip_by_global_norm(max_norm: float, *, numerator_only: bool = False
   With ``bc_stats`` (from ``collect``) the collector has already scaled every statistic by
   c = min(1, max_norm / ||g_full||) and this transform passes the updates through. Without
   ``bc_stats`` it is ``optax.clip_by_global_norm``. ``numerator_only=True`` (the reference
-  code's behaviour) leaves the statistics alone and clips only the numerator by its own norm.
+  code's behaviour) leaves the statistics alone and scales only the numerator by
+  c = min(1, max_norm / ||numerator||) (``bc_stats.numerator_clip``); the transforms take
+  their second-moment statistics from the unclipped ``bc_stats.numerator``.
   """
   spec = CollectorSpec(layout=None, clip="numerator" if numerator_only else "consistent")
 
@@ -744,8 +759,11 @@ def clip_by_global_norm(max_norm: float, *, numerator_only: bool = False
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     del params
-    if bc_stats is None or numerator_only:
+    if bc_stats is None:
       updates, _ = optax.clip_by_global_norm(max_norm).update(updates, optax.EmptyState())
+    elif numerator_only:
+      c = bc_stats.numerator_clip
+      updates = jax.tree.map(lambda u: (u * c).astype(u.dtype), updates)
     return updates, ClipState(state.spec, {"max_norm": jnp.asarray(max_norm, jnp.float32)})
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

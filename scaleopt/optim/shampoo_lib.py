@@ -55,9 +55,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from scaleopt.optim import delta, phases
 from scaleopt.optim.adam_bc import check_choice
-from scaleopt.optim.collect import (BCStats, CollectorSpec, Static, clip_factor, refresh_groups,
-                                    register_bc_state, register_estimator, value_and_grad_fn,
-                                    welford_add, welford_init)
+from scaleopt.optim.collect import (BCStats, CollectorSpec, Static, align, clip_factor,
+                                    refresh_groups, register_bc_state, register_estimator,
+                                    value_and_grad_fn, welford_add, welford_init)
 
 PyTree = Any
 MaskedNode = optax.MaskedNode
@@ -823,9 +823,10 @@ def _eligible(x, excl, stack_sizes, *, stacked, min_dim, max_dim) -> bool:
   return min(x.shape[-2:]) >= min_dim and max(x.shape[-2:]) <= max_dim
 
 
-def _all_directions(orig_l, g_l, mu_l, nu_l, fac, blk, t, hp):
+def _all_directions(orig_l, g_l, raw_l, mu_l, nu_l, fac, blk, t, hp):
   """Momentum, Adam second moment and direction of every tensor (flattened lists): matrices
-  with factors use b1 and P_L M P_R, fallback tensors adam_b1 and Adam."""
+  with factors use b1 and P_L M P_R, fallback tensors adam_b1 and Adam. The momentum takes
+  ``g_l``, the Adam second moment ``raw_l`` (the gradient before a numerator-only clip)."""
   out_u, out_mu, out_nu = list(g_l), list(mu_l), list(nu_l)
   for i, g in enumerate(g_l):
     if _is_masked(g):
@@ -834,7 +835,8 @@ def _all_directions(orig_l, g_l, mu_l, nu_l, fac, blk, t, hp):
     b1_i = hp["b1"] if f is not None else hp["ab1"]
     out_mu[i] = b1_i * mu_l[i] + (1 - b1_i) * g
     adam = (1.0 - b1_i ** t, hp["ab2"], 1.0 - hp["ab2"] ** t, hp["eps"])
-    u, out_nu[i] = _direction(g, out_mu[i], nu_l[i], f, blk.get(str(i)), hp["graft"], adam,
+    u, out_nu[i] = _direction(raw_l[i], out_mu[i], nu_l[i], f, blk.get(str(i)), hp["graft"],
+                              adam,
                               hp["update_clip_fro"], hp["matmul_precision"])
     out_u[i] = u.astype(orig_l[i].dtype)
   return out_u, out_mu, out_nu
@@ -977,15 +979,18 @@ def scale_by_shampoo(
     count, count_inc = state.count, optax.safe_increment(state.count)
     orig_l, td = jax.tree.flatten(updates, is_leaf=_is_masked)
     g_l = [g if _is_masked(g) else g.astype(jnp.float32) for g in orig_l]
+    raw_l = g_l if bc_stats is None else [  # before a numerator-only clip: the statistics'
+        g if _is_masked(g) else n.astype(jnp.float32)
+        for g, n in zip(g_l, td.flatten_up_to(align(bc_stats.numerator, updates)))]
     mu_l, nu_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
     keys = sorted(state.factors)
     blk = _blockings(updates, keys, block_size, block_major, block_shards)
-    fac = _update_factors(state.factors, g_l, blk, keys, count, pre, _step_ok(bc_stats),
+    fac = _update_factors(state.factors, raw_l, blk, keys, count, pre, _step_ok(bc_stats),
                           mode=mode, stats_every=stats_every, root_every=root_every, b2=b2,
                           stats_precision=stats_precision, offload=offload_statistics,
                           root_kw=root_kw)
     out_u, out_mu, out_nu = _all_directions(
-        orig_l, g_l, mu_l, nu_l, fac, blk, count_inc.astype(jnp.float32),
+        orig_l, g_l, raw_l, mu_l, nu_l, fac, blk, count_inc.astype(jnp.float32),
         dict(b1=b1, ab1=ab1, ab2=ab2, eps=eps, graft=graft, update_clip_fro=update_clip_fro,
              matmul_precision=matmul_precision))
     un = lambda l: jax.tree.unflatten(td, l)
