@@ -102,10 +102,11 @@ class GroupStats(NamedTuple):
 
 
 class LOOStats(NamedTuple):
-  """Leave-one-out fold statistics: mean over folds of the fold terms, and the sample variance
-  over folds M2 / (m - 1) of the fold denominators (the reference code's estimator)."""
+  """Leave-one-out fold statistics: mean over folds of the fold terms, the sample variance
+  over folds M2 / (m - 1) of the fold denominators (the reference code's estimator) and m."""
   mean: PyTree
   var: PyTree
+  count: int = 0
 
 
 class BCStats(NamedTuple):
@@ -566,6 +567,18 @@ def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional
   return out + (kept,) if keep_grads else out
 
 
+def unclipped_numerator(bc_stats: Optional[BCStats], updates: PyTree) -> PyTree:
+  """The numerator before a numerator-only clip, for the second-moment statistics: ``updates``
+  itself unless the collector set a numerator-only clip factor (then ``bc_stats.numerator``,
+  aligned with ``updates``' masked leaves)."""
+  if bc_stats is None or (isinstance(bc_stats.numerator_clip, (int, float))
+                          and bc_stats.numerator_clip == 1.0):
+    return updates
+  return jax.tree.map(lambda u, n: u if isinstance(u, optax.MaskedNode) else n.astype(u.dtype),
+                      updates, align(bc_stats.numerator, updates),
+                      is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+
 def clip_factor(g: PyTree, max_norm) -> jax.Array:
   """min(1, max_norm / ||g||), as ``optax.clip_by_global_norm``."""
   norm = optax.tree.norm(g)
@@ -622,7 +635,7 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
                                 g_all[0] if one else mbs,
                                 vmap=one and spec.vmap and not _spreads(m), reduce=reduce)
   loo = LOOStats(mean=jax.tree.map(lambda s: s / m, t),
-                 var=jax.tree.map(lambda s: jnp.maximum(s / (m - 1), 0.0), w.m2))
+                 var=jax.tree.map(lambda s: jnp.maximum(s / (m - 1), 0.0), w.m2), count=m)
   return BCStats(g_full, g_full, None, None, loo, loss, aux, c)
 
 
@@ -816,11 +829,13 @@ def align(tree: PyTree, like: PyTree) -> PyTree:
 
 
 def refresh_groups(grad_fn: GradFn, params: PyTree, microbatches: PyTree, layout: str,
-                   refresh: jax.Array, b_microbatches: PyTree = None, *, vmap: bool = False):
+                   refresh: jax.Array, b_microbatches: PyTree = None, *, vmap: bool = False,
+                   a_every_step: bool = False):
   """Numerator group statistics and the preconditioner group for periodic refreshes.
 
   ``ab``: on refresh steps the numerator uses group A only (cross-fit), on the other steps
-  all microbatches (``phases.cond``); ``rolling_b``: A is ``microbatches``, B
+  all microbatches (``phases.cond``), or group A on every step with ``a_every_step`` (the
+  authors' code: the momentum's noise level is then the same on every step); ``rolling_b``: A is ``microbatches``, B
   ``b_microbatches``; ``all``: both use every microbatch. ``vmap``: see ``fold_microbatches``.
 
   Returns:
@@ -832,6 +847,8 @@ def refresh_groups(grad_fn: GradFn, params: PyTree, microbatches: PyTree, layout
 
   if layout == "ab":
     mbs_a, mbs_b = halves(microbatches, "layout 'ab'")
+    if a_every_step:
+      return num_of(mbs_a), mbs_b
     num = phases.cond(refresh, lambda: num_of(mbs_a), lambda: num_of(microbatches))
     return num, mbs_b
   num = num_of(microbatches)
@@ -849,6 +866,18 @@ def skipped_tensors(opt_state: PyTree) -> jax.Array:
   ``opt_state`` (summed over the BC states; 0 when none skips per tensor)."""
   counts = [f.state.skipped for f in find_bc_states(opt_state) if hasattr(f.state, "skipped")]
   return sum(counts, jnp.zeros((), jnp.int32))
+
+
+def rule_counts(opt_state: PyTree) -> dict[str, jax.Array]:
+  """{rule: coordinates (or blocks) it changed in the update that produced ``opt_state``},
+  summed over the BC states that keep a ``rules`` dict (LOO sign flips zeroed, inverses and
+  variances clamped at 0, enlarging corrections, Newton roots that stopped unconverged,
+  non-finite roots replaced by the previous root)."""
+  out: dict[str, jax.Array] = {}
+  for f in find_bc_states(opt_state):
+    for k, v in (getattr(f.state, "rules", None) or {}).items():
+      out[k] = out.get(k, jnp.zeros((), jnp.int32)) + v
+  return out
 
 
 def schedule_count(opt_state: PyTree) -> Optional[jax.Array]:
