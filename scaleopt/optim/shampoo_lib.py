@@ -588,7 +588,7 @@ def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collect
   grad_fn = value_and_grad_fn(loss_fn)
   (num, loss, aux), mbs_b = refresh_groups(grad_fn, params, microbatches, spec.layout, root,
                                            b_microbatches, vmap=spec.vmap,
-                                           a_every_step=opts["a_every_step"])
+                                           a_every_step=opts.get("a_every_step", False))
   m_b = jax.tree.leaves(mbs_b)[0].shape[0]
   if opts["two_pass"] and m_b < 2:
     raise ValueError(f"the eigenvalue-variance correction needs >= 2 microbatches in group B, "

@@ -257,3 +257,17 @@ def test_sparse_lr_ratio_without_an_embedding_branch_is_an_error():
   build(cfg, sparse_filter=lambda p: {"emb": True, "w": False})  # with a filter: fine
   with pytest.raises(ValueError, match=r"optimizer.all_dense='yes' must be true or false"):
     OptimizerConfig.from_dict({"name": "adamw", "all_dense": "yes"})
+
+
+def test_resolved_numerics_name_the_root_method_a_run_executes():
+  """summary.json's optimizer_numerics: ``auto`` is eigh on CPU, Newton at "high" on GPU for
+  std Shampoo, eigh for Shampoo-BC's full mode everywhere; {} for other optimizers."""
+  from scaleopt.optim import resolved_numerics
+  assert resolved_numerics({"name": "shampoo"}, backend="cpu")["root_method"] == "eigh"
+  gpu = resolved_numerics({"name": "shampoo"}, backend="gpu")
+  assert gpu["root_method"] == "newton" and gpu["newton_precision"] == "high"
+  assert gpu["matmul_precision"] == "high"
+  assert resolved_numerics({"name": "shampoo_bc"}, backend="gpu")["root_method"] == "eigh"
+  assert resolved_numerics({"name": "shampoo", "extra": {"root_method": "eigh"}},
+                           backend="gpu")["root_method"] == "eigh"
+  assert resolved_numerics({"name": "adamw"}) == {}

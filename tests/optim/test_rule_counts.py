@@ -68,3 +68,21 @@ def test_ab_counts_inverse_clamps():
   assert 0 < (raw <= 0).sum() < raw.size
   assert got["inverse_clamped"] == (raw <= 0).sum()
   assert got["variance_clamped"] == got["sign_flips_zeroed"] == got["enlarging"] == 0
+
+
+def test_telemetry_reports_the_counts():
+  """``run.telemetry_every`` rows carry ``bc_rules/<rule>``: the counts of this step's update."""
+  from scaleopt.train import telemetry
+  m = 6
+  g = jnp.asarray(np.random.default_rng(0).normal(0.2, 1.0, (m, 40, 5)), jnp.float32)
+  params = {"w": jnp.zeros((40, 5), jnp.float32)}
+  loss = lambda p, mb: (jnp.sum(p["w"] * mb), {})
+  tx = so.adamw_bc(1e-3)
+  st = tx.init(params)
+  stats = so.collect(loss, params, g, st)
+  u, new = tx.update(stats.numerator, st, params, bc_stats=stats)
+  out = telemetry.compute(tx, st, params, stats, u, params)
+  want = so.rule_counts(new)
+  assert want["sign_flips_zeroed"] > 0
+  assert {k: int(out[f"bc_rules/{k}"]) for k in want} == {k: int(v) for k, v in want.items()}
+  assert all(telemetry.is_telemetry_key(f"bc_rules/{k}") for k in want)

@@ -44,7 +44,7 @@ def _numpy_sophia(theta0, gs, hs, vs, *, lr, wd, b1, b2, eps, rho, clip, k, corr
 
 
 @pytest.mark.parametrize("mode,scale", [("std", "matched"), ("full", "matched"),
-                                        ("inv", "reference")])
+                                        ("inv", "reference"), ("full", "reference")])
 def test_update_rule_matches_float64_numpy(mode, scale):
   rng = np.random.default_rng(0)
   T, d = 40, 64
