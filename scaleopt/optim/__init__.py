@@ -32,7 +32,8 @@ __all__ = [
     "ScaleBySophiaState", "SophiaCurvature", "scale_by_sophia", "sophia", "sophia_bc",
     "ScaleByShampooState", "ShampooPrecond", "in_host_memory", "scale_by_shampoo", "shampoo",
     "shampoo_bc",
-    "ScheduleConfig", "make_schedule", "OptimizerConfig", "build", "finite_updates", "muon", "resolved_numerics",
+    "ScheduleConfig", "make_schedule", "OptimizerConfig", "build", "finite_updates", "muon",
+    "resolved_numerics",
     "names",
     "register_optimizer", "delta", "gnb",
 ]

@@ -19,8 +19,8 @@ below.
 Config: a plain dict or an ``OptimizerConfig``. Keys: ``name``, ``learning_rate``,
 ``schedule`` (see ``scaleopt.optim.schedules``), ``clip_norm`` (0 = off), ``clip_numerator_only``
 (the reference code's clip), ``all_dense`` (no embedding branch: ``build`` drops the
-``sparse_filter``, as the paper's ``--all_dense``), ``weight_decay``, ``b1``, ``b2``, ``eps`` (None = the optimizer's
-own default) and ``extra``: keyword arguments of the optimizer's alias (``adamw_bc``,
+``sparse_filter``, as the paper's ``--all_dense``), ``weight_decay``, ``b1``, ``b2``, ``eps``
+(None = the optimizer's own default) and ``extra``: keyword arguments of the optimizer's alias (``adamw_bc``,
 ``sophia``, ``shampoo``, ...); an unknown one is an error naming it. The bias-corrected names
 also take the collector's microbatching options ``loo_passes`` and ``vmap_microbatches``
 (``COLLECTOR_KEYS``), which ``build`` puts into the chain as ``collector_options``.

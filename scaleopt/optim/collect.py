@@ -835,8 +835,8 @@ def refresh_groups(grad_fn: GradFn, params: PyTree, microbatches: PyTree, layout
 
   ``ab``: on refresh steps the numerator uses group A only (cross-fit), on the other steps
   all microbatches (``phases.cond``), or group A on every step with ``a_every_step`` (the
-  authors' code: the momentum's noise level is then the same on every step); ``rolling_b``: A is ``microbatches``, B
-  ``b_microbatches``; ``all``: both use every microbatch. ``vmap``: see ``fold_microbatches``.
+  authors' code: the momentum's noise level is then the same on every step); ``rolling_b``:
+  A is ``microbatches``, B ``b_microbatches``; ``all``: both use every microbatch. ``vmap``: see ``fold_microbatches``.
 
   Returns:
     ((mean gradient, loss, aux) of the numerator group, group-B microbatches).
