@@ -13,7 +13,8 @@ from scaleopt.optim.collect import (BCStats, CollectorSpec, GroupStats, LOOStats
                                     StateHooks, clip_by_global_norm, collect, collector_options,
                                     collector_spec,
                                     find_bc_states, register_bc_state, register_estimator,
-                                    schedule_count, skipped_tensors, value_and_grad_fn)
+                                    rule_counts, schedule_count, skipped_tensors,
+                                    value_and_grad_fn)
 from scaleopt.optim.adam_bc import ScaleByAdamBCState, adamw_bc, scale_by_adam_bc
 from scaleopt.optim.sophia_lib import (ScaleBySophiaState, SophiaCurvature, scale_by_sophia,
                                        sophia, sophia_bc)
@@ -23,18 +24,19 @@ from scaleopt.optim.baselines import eval_params
 from scaleopt.optim.soap_lib import ScaleBySoapState, scale_by_soap, soap, soap_bc
 from scaleopt.optim.schedules import ScheduleConfig, make_schedule
 from scaleopt.optim.build import (OptimizerConfig, build, finite_updates, muon, names,
-                                  register_optimizer)
+                                  register_optimizer, resolved_numerics)
 
 __all__ = [
     "BCStats", "CollectorSpec", "GroupStats", "LOOStats", "MicrobatchAxis", "Static",
     "StateHooks",
     "clip_by_global_norm", "collect", "collector_options", "collector_spec", "find_bc_states", "register_bc_state",
-    "register_estimator", "schedule_count", "skipped_tensors", "value_and_grad_fn",
+    "register_estimator", "rule_counts", "schedule_count", "skipped_tensors", "value_and_grad_fn",
     "ScaleByAdamBCState", "adamw_bc", "scale_by_adam_bc",
     "ScaleBySophiaState", "SophiaCurvature", "scale_by_sophia", "sophia", "sophia_bc",
     "ScaleByShampooState", "ShampooPrecond", "in_host_memory", "scale_by_shampoo", "shampoo",
     "shampoo_bc",
     "ScheduleConfig", "make_schedule", "OptimizerConfig", "build", "finite_updates", "muon",
+    "resolved_numerics",
     "names",
     "register_optimizer", "delta", "gnb", "eval_params", "ScaleBySoapState", "scale_by_soap",
     "soap", "soap_bc",

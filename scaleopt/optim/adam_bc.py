@@ -45,7 +45,7 @@ import optax
 
 from scaleopt.optim import delta
 from scaleopt.optim.collect import (BCStats, CollectorSpec, StateHooks, Static, align,
-                                    register_bc_state)
+                                    register_bc_state, unclipped_numerator)
 
 PyTree = Any
 MaskedNode = optax.MaskedNode
@@ -54,17 +54,22 @@ MODES = ("std", "cf", "inv", "full")
 CROSSFITS = ("ab", "rolling_b", "symmetric", "loo")
 CORRECTIONS = ("none", "post_ema", "pre_ema", "reference_post_ema")
 V_SOURCES = ("sq_of_mean", "mean_sq")
+LOO_VARIANCES = ("across_folds", "per_fold")
 
 
 class ScaleByAdamBCState(NamedTuple):
   """count; float32 moments mu, nu; skipped: tensors whose non-finite update was zeroed at the
-  last step; spec: the ``CollectorSpec`` (static); hp: b1, b2, eps as arrays (collector)."""
+  last step; spec: the ``CollectorSpec`` (static); hp: b1, b2, eps as arrays (collector);
+  rules: {name in ``RULES``: int32 count} of the coordinates a safeguard changed at the
+  last step (LOO sign flips zeroed, corrected inverses clamped at 0, corrections that enlarged
+  a step, negative variance estimates clamped at 0)."""
   count: jax.Array
   mu: PyTree
   nu: PyTree
   skipped: jax.Array
   spec: Static
   hp: dict
+  rules: jax.Array
 
 
 def _masked(x) -> bool:
@@ -237,6 +242,7 @@ class _Hyper(NamedTuple):
   reference_pre_ema: bool
   crossfit_alpha: Any
   adaptive: bool
+  loo_variance: str
 
 
 def _statistic(h: _Hyper, grp, m) -> tuple[PyTree, PyTree]:
@@ -252,20 +258,43 @@ def _statistic(h: _Hyper, grp, m) -> tuple[PyTree, PyTree]:
                          grp.var)
 
 
-def _ab_leaf(h, t_bc, g, mu, nu, x, var_x):
-  """One tensor of the A/B (and inv) forms: m <- g_A, v <- x_B, u = m_hat inv(v_hat)."""
+# Coordinates a rule changed at the last update (``ScaleByAdamBCState.rules``), in this order.
+RULES = ("sign_flips_zeroed", "inverse_clamped", "enlarging", "variance_clamped")
+
+
+def _rule_dict(counts: jax.Array) -> dict:
+  return {name: counts[i] for i, name in enumerate(RULES)}
+
+
+def _counts(flips=0, clamped=0, enlarged=0):
+  """The per-leaf count vector of ``RULES`` (variance clamps are counted per statistic)."""
+  c = lambda x: jnp.sum(jnp.asarray(x, jnp.int32))
+  return jnp.stack([c(flips), c(clamped), c(enlarged), jnp.int32(0)])
+
+
+def _inv_counts(inv, v_hat, eps):
+  """Coordinates whose corrected inverse was clamped at 0, and those the correction enlarged."""
+  plain = 1.0 / (jnp.sqrt(v_hat) + eps)
+  return (inv <= 0) & (plain > 0), inv > plain
+
+
+def _ab_leaf(h, t_bc, g, raw, mu, nu, x, var_x):
+  """One tensor of the A/B (and inv) forms: m <- g_A, v <- x_B, u = m_hat inv(v_hat);
+  ``raw`` is g_A before a numerator-only clip (the alpha mix's g_A^2)."""
   bc1, bc2, b = t_bc
   if h.adaptive:
-    alpha = adaptive_alpha(g, x, h.crossfit_alpha)
+    alpha = adaptive_alpha(raw, x, h.crossfit_alpha)
   else:
     alpha = h.crossfit_alpha
-  x = (1 - alpha) * (g * g) + alpha * x  # alpha = 1 leaves x bit-identical
-  var_x = None if var_x is None else (alpha * alpha) * var_x
+  x = (1 - alpha) * (raw * raw) + alpha * x  # alpha = 1 leaves x bit-identical
+  if var_x is not None and h.correction != "reference_post_ema":
+    var_x = (alpha * alpha) * var_x  # Var of the mixed statistic's B part: alpha^2 Var(x_B)
   m_new = b1_mix(h.b1, mu, g)
   v_new = h.b2 * nu + (1 - h.b2) * x
-  inv = corrected_inverse(jnp.maximum(v_new / bc2, 0.0), var_x, b, h.eps, h.correction,
-                          h.correction_scale, h.reference_pre_ema)
-  return (m_new / bc1) * inv, m_new, v_new
+  v_hat = jnp.maximum(v_new / bc2, 0.0)
+  inv = corrected_inverse(v_hat, var_x, b, h.eps, h.correction, h.correction_scale,
+                          h.reference_pre_ema)
+  return (m_new / bc1) * inv, m_new, v_new, _counts(0, *_inv_counts(inv, v_hat, h.eps))
 
 
 def b1_mix(b1, mu, g):
@@ -278,51 +307,80 @@ def _symmetric_leaf(h, t_bc, g, mu, nu, ga, xa, va, gb, xb, vb):
 
   def side(g_s, x_s, var_s):
     v_hat = jnp.maximum((h.b2 * nu + (1 - h.b2) * x_s) / bc2, 0.0)
-    return b1_mix(h.b1, mu, g_s) / bc1, corrected_inverse(
-        v_hat, var_s, b, h.eps, h.correction, h.correction_scale, h.reference_pre_ema)
+    inv = corrected_inverse(v_hat, var_s, b, h.eps, h.correction, h.correction_scale,
+                            h.reference_pre_ema)
+    return b1_mix(h.b1, mu, g_s) / bc1, inv, _inv_counts(inv, v_hat, h.eps)
 
-  m_a, inv_a = side(ga, xa, va)
-  m_b, inv_b = side(gb, xb, vb)
-  return 0.5 * (m_a * inv_b + m_b * inv_a), b1_mix(h.b1, mu, g), h.b2 * nu + (1 - h.b2) * g * g
+  m_a, inv_a, (ca, ea) = side(ga, xa, va)
+  m_b, inv_b, (cb, eb) = side(gb, xb, vb)
+  return (0.5 * (m_a * inv_b + m_b * inv_a), b1_mix(h.b1, mu, g),
+          h.b2 * nu + (1 - h.b2) * g * g, _counts(0, ca | cb, ea | eb))
 
 
 def _loo_leaf(h, g, mu, nu, first, third, dvar):
-  """u = mean_r m_hat_r/d_r - scale Var_r(d_r) mean_r m_hat_r/d_r^3 (sign flips zeroed)."""
-  u = first
+  """u = mean_r m_hat_r/d_r - scale V mean_r m_hat_r/d_r^3 (sign flips zeroed); ``dvar`` is
+  V (see ``scale_by_adam_bc``'s ``loo_variance``)."""
+  u, cnt = first, _counts()
   if h.correction != "none":
     u = first - h.correction_scale * dvar * third
-    u = jnp.where(jnp.sign(u) != jnp.sign(first), 0.0, u)
-  return u, b1_mix(h.b1, mu, g), h.b2 * nu + (1 - h.b2) * g * g
+    flip = jnp.sign(u) != jnp.sign(first)
+    cnt = _counts(flip, 0, ~flip & (jnp.abs(u) > jnp.abs(first)))
+    u = jnp.where(flip, 0.0, u)
+  return u, b1_mix(h.b1, mu, g), h.b2 * nu + (1 - h.b2) * g * g, cnt
 
 
-def _std_leaf(h, t_bc, g, mu, nu):
+def _std_leaf(h, t_bc, g, raw, mu, nu):
+  """Adam: m <- g, v <- raw^2 (raw: g before a numerator-only clip, else g)."""
   bc1, bc2, _ = t_bc
-  m_new, v_new = b1_mix(h.b1, mu, g), h.b2 * nu + (1 - h.b2) * g * g
-  return (m_new / bc1) / (jnp.sqrt(v_new / bc2) + h.eps), m_new, v_new
+  m_new, v_new = b1_mix(h.b1, mu, g), h.b2 * nu + (1 - h.b2) * raw * raw
+  return (m_new / bc1) / (jnp.sqrt(v_new / bc2) + h.eps), m_new, v_new, _counts()
 
 
-def _directions(h, mode, crossfit, t_bc, g, state, st):
-  """(u, m, v) trees of the chosen form; ``g`` is the float32 numerator."""
+def _per_leaf(leaf, g, *trees):
+  """(u, m, v, counts of ``RULES`` summed over the tensors) of ``leaf`` mapped over tensors."""
+  u, m, v, c = unzip(tmap(leaf, g, *trees), g, 4)
+  return u, m, v, sum(jax.tree.leaves(c), _counts())
+
+
+def _negative_var(h, grp, like) -> jax.Array:
+  """Coordinates whose unbiased Var(g_bar^2) estimate was negative (clamped at 0)."""
+  if h.v_source == "mean_sq" or h.correction == "reference_post_ema" or grp.var is None:
+    return jnp.int32(0)
+  neg = jax.tree.map(lambda g, v: jnp.sum(var_sq_of_mean(g, v, grp.count) < 0),
+                     align(grp.mean, like), align(grp.var, like))
+  return sum(jax.tree.leaves(neg), jnp.int32(0)).astype(jnp.int32)
+
+
+def _directions(h, mode, crossfit, t_bc, g, raw, state, st):
+  """(u, m, v, rule counts) of the chosen form; ``g`` is the float32 numerator, ``raw`` the
+  same before a numerator-only clip (second-moment statistics; see
+  ``collect.clip_by_global_norm``)."""
   mu, nu = state.mu, state.nu
   if mode == "std":
-    return unzip(tmap(lambda *a: _std_leaf(h, t_bc, *a), g, mu, nu), g, 3)
+    return _per_leaf(lambda *a: _std_leaf(h, t_bc, *a), g, raw, mu, nu)
   if mode in ("cf", "full") and crossfit == "loo":
     if st.loo is None:
       raise ValueError("crossfit='loo' needs bc_stats from the 'loo' layout")
-    lo = [align(x, g) for x in (st.loo.mean["first"], st.loo.mean["third"], st.loo.var)]
-    return unzip(tmap(lambda *a: _loo_leaf(h, *a), g, mu, nu, *lo), g, 3)
+    var = st.loo.var
+    if h.loo_variance == "per_fold":  # (m - 1) x the spread over folds (see scale_by_adam_bc)
+      var = jax.tree.map(lambda v: (st.loo.count - 1) * v, var)
+    lo = [align(x, g) for x in (st.loo.mean["first"], st.loo.mean["third"], var)]
+    return _per_leaf(lambda *a: _loo_leaf(h, *a), g, mu, nu, *lo)
   zeros = lambda tr: tr if tr is not None else jax.tree.map(lambda _: jnp.zeros(()), g)
+  var_rule = jnp.zeros(4, jnp.int32).at[3]
   if mode in ("cf", "full") and crossfit == "symmetric":
     xa, va = _statistic(h, st.a, st.a.count)
     xb, vb = _statistic(h, st.b, st.b.count)
     trees = [align(zeros(x), g) for x in (st.a.mean, xa, va, st.b.mean, xb, vb)]
-    return unzip(tmap(lambda *a: _symmetric_leaf(h, t_bc, *a), g, mu, nu, *trees), g, 3)
+    u, m, v, c = _per_leaf(lambda *a: _symmetric_leaf(h, t_bc, *a), g, mu, nu, *trees)
+    return u, m, v, c + var_rule.set(_negative_var(h, st.a, g) + _negative_var(h, st.b, g))
   x, var_x = _statistic(h, st.b, st.b.count)
   if h.correction != "none" and var_x is None:
     raise ValueError("a variance correction needs group variances in bc_stats; collect them "
                      "with scaleopt.optim.collect from this transform's state")
   x, var_x = align(x, g), align(zeros(var_x), g)
-  return unzip(tmap(lambda *a: _ab_leaf(h, t_bc, *a), g, mu, nu, x, var_x), g, 3)
+  u, m, v, c = _per_leaf(lambda *a: _ab_leaf(h, t_bc, *a), g, raw, mu, nu, x, var_x)
+  return u, m, v, c + var_rule.set(_negative_var(h, st.b, g))
 
 
 def scale_by_adam_bc(
@@ -338,6 +396,7 @@ def scale_by_adam_bc(
     reference_pre_ema: bool = False,
     crossfit_alpha: float = 1.0,
     crossfit_alpha_adaptive: bool = False,
+    loo_variance: str = "across_folds",
     update_clip: float = 0.0,
     support_clip_tau: float = 0.0,
     std_warmup_steps: int = 0,
@@ -364,9 +423,21 @@ def scale_by_adam_bc(
   Args:
     b1, b2, eps: Adam's decay rates and epsilon (outside the square root).
     mode, crossfit, correction, v_source: see above and the module docstring.
-    correction_scale: multiplies the subtracted delta-method term (1.0 = delta method).
+    correction_scale: multiplies the subtracted delta-method term (1.0 = the delta method
+      for the A/B, inv and symmetric forms; for ``loo`` see ``loo_variance``).
+    loo_variance: the V of the leave-one-out Jensen term. ``across_folds`` (default, the
+      authors' code and the paper's headline run): the sample variance over folds
+      Var_r(d_r) = (1/(m-1)) sum_r (d_r - mean d)^2. The folds share m - 2 of their m - 1
+      microbatches, so this spread is about 1/(m-1) of the sampling variance of one fold's d_r
+      (g_{-r} - g_{-s} = (g_s - g_r)/(m-1)): the term is a tuned fraction of the delta method,
+      not the delta method. ``per_fold``: (m - 1) Var_r(d_r), the delta method's variance of
+      one fold's denominator (first order: (m-1)^2 Var_r(g_{-r}) = s^2, the sample variance
+      of the g_j, and Var(g_{-r}) = s^2 / (m-1), carried through d by the same derivative).
     reference_pre_ema: use the reference code's 3/8 pre-EMA coefficient instead of 1/8.
-    crossfit_alpha: partial cross-fit, x = (1-alpha) g_A^2 + alpha x_B (``ab`` forms).
+    crossfit_alpha: partial cross-fit, x = (1-alpha) g_A^2 + alpha x_B (``ab`` forms). The
+      ``post_ema``/``pre_ema`` corrections use alpha^2 Var(x_B), the variance of the part of x
+      that B contributes (delta method on the statistic that enters v); ``reference_post_ema``
+      uses Var(p_bar) of B's denominators unscaled, as the authors' code does.
     crossfit_alpha_adaptive: alpha = crossfit_alpha clip(cos(g_A^2, x_B), 0, 1) per tensor.
     update_clip: if > 0, clip every coordinate of u to [-c, c] (trust region).
     support_clip_tau: if > 0, u_k <- u_k min(1, sqrt(tau (x_k + 1e-12) / (g_Ak^2 + 1e-12))).
@@ -386,8 +457,9 @@ def scale_by_adam_bc(
   spec = adam_bc_collector_spec(mode, crossfit, correction, v_source)
   state_dtype = jnp.dtype(state_dtype)
   mu_dtype = state_dtype if mu_dtype is None else jnp.dtype(mu_dtype)
+  check_choice("loo_variance", loo_variance, LOO_VARIANCES)
   h = _Hyper(b1, b2, eps, correction, v_source, correction_scale, reference_pre_ema,
-             crossfit_alpha, crossfit_alpha_adaptive)
+             crossfit_alpha, crossfit_alpha_adaptive, loo_variance)
   hp = lambda: {k: jnp.asarray(v, jnp.float32) for k, v in (("b1", b1), ("b2", b2), ("eps", eps))}
   is_zero = lambda v: isinstance(v, (int, float)) and v == 0
 
@@ -395,7 +467,7 @@ def scale_by_adam_bc(
     z = lambda dt: lambda p: jnp.zeros(jnp.shape(p), dt)
     return ScaleByAdamBCState(jnp.zeros([], jnp.int32), jax.tree.map(z(mu_dtype), params),
                               jax.tree.map(z(state_dtype), params), jnp.zeros([], jnp.int32),
-                              Static(spec), hp())
+                              Static(spec), hp(), _rule_dict(jnp.zeros(len(RULES), jnp.int32)))
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     del params
@@ -406,24 +478,26 @@ def scale_by_adam_bc(
     bc2 = 1 - b2 ** count_inc
     t_bc = (1 - b1 ** count_inc, bc2, (1 - b2) / bc2)
     g = tmap(lambda x: x.astype(jnp.float32), updates)
-    u, m_new, v_new = _directions(h, mode, crossfit, t_bc, g, state, bc_stats)
+    raw = unclipped_numerator(bc_stats, g)
+    u, m_new, v_new, rules = _directions(h, mode, crossfit, t_bc, g, raw, state, bc_stats)
     if mode in ("cf", "full") and crossfit in ("ab", "rolling_b") and not is_zero(support_clip_tau):
       u = _support_clip(u, g, bc_stats, v_source, support_clip_tau)
     if not is_zero(update_clip):  # arrays under inject_hyperparams: 0 still means off
       u = tmap(lambda x: jnp.where(update_clip > 0, jnp.clip(x, -update_clip, update_clip), x), u)
     if not is_zero(std_warmup_steps):
       full = align(bc_stats.full, g) if bc_stats is not None else g
-      w = unzip(tmap(lambda *a: _std_leaf(h, t_bc, *a), full, state.mu, state.nu), g, 3)
+      w = unzip(tmap(lambda *a: _std_leaf(h, t_bc, *a), full, full, state.mu, state.nu), g, 3)
       warm = state.count < std_warmup_steps
       u, m_new, v_new = (tmap(lambda a, b_: jnp.where(warm, a, b_), x, y)
                          for x, y in zip(w, (u, m_new, v_new)))
+      rules = jnp.where(warm, 0, rules)
     skipped = jnp.zeros([], jnp.int32)
     if skip_nonfinite and mode != "std":
       u, (m_new, v_new), skipped = keep_finite(u, ((m_new, state.mu), (v_new, state.nu)))
     out = tmap(lambda x, ref: x.astype(ref.dtype), u, updates)
     cast = lambda tr, dt: tmap(lambda x: x.astype(dt), tr)
     return out, ScaleByAdamBCState(count_inc, cast(m_new, mu_dtype), cast(v_new, state_dtype),
-                                   skipped, state.spec, hp())
+                                   skipped, state.spec, hp(), _rule_dict(rules))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -446,6 +520,7 @@ def adamw_bc(
     reference_pre_ema: bool = False,
     crossfit_alpha: float = 1.0,
     crossfit_alpha_adaptive: bool = False,
+    loo_variance: str = "across_folds",
     update_clip: float = 0.0,
     support_clip_tau: float = 0.0,
     std_warmup_steps: int = 0,
@@ -477,6 +552,7 @@ def adamw_bc(
                        v_source=v_source, correction_scale=correction_scale,
                        reference_pre_ema=reference_pre_ema, crossfit_alpha=crossfit_alpha,
                        crossfit_alpha_adaptive=crossfit_alpha_adaptive,
+                       loo_variance=loo_variance,
                        update_clip=update_clip, support_clip_tau=support_clip_tau,
                        std_warmup_steps=std_warmup_steps, skip_nonfinite=skip_nonfinite,
                        state_dtype=state_dtype, mu_dtype=mu_dtype),
@@ -500,11 +576,18 @@ def adamw_bc(
 
 
 def full_batch(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-  """Feeds ``bc_stats.full`` (when given) to ``inner`` instead of the numerator gradient."""
+  """Feeds ``bc_stats.full`` (when given) to ``inner`` instead of the numerator gradient:
+  scaled by the numerator-only clip factor c (``bc_stats.numerator_clip``) as the first moment's
+  input, unscaled as ``inner``'s ``bc_stats.numerator`` (its second-moment statistics)."""
+
+  inner = optax.with_extra_args_support(inner)
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
-    if bc_stats is not None:
-      updates = tmap(lambda u, f: f.astype(u.dtype), updates, align(bc_stats.full, updates))
-    return inner.update(updates, state, params)
+    if bc_stats is None:
+      return inner.update(updates, state, params)
+    c = bc_stats.numerator_clip
+    updates = tmap(lambda u, f: (c * f).astype(u.dtype), updates, align(bc_stats.full, updates))
+    return inner.update(updates, state, params, bc_stats=bc_stats._replace(
+        numerator=bc_stats.full))
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)

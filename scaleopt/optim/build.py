@@ -18,8 +18,9 @@ below.
 
 Config: a plain dict or an ``OptimizerConfig``. Keys: ``name``, ``learning_rate``,
 ``schedule`` (see ``scaleopt.optim.schedules``), ``clip_norm`` (0 = off), ``clip_numerator_only``
-(the reference code's clip), ``weight_decay``, ``b1``, ``b2``, ``eps`` (None = the optimizer's
-own default) and ``extra``: keyword arguments of the optimizer's alias (``adamw_bc``,
+(the reference code's clip), ``all_dense`` (no embedding branch: ``build`` drops the
+``sparse_filter``, as the paper's ``--all_dense``), ``weight_decay``, ``b1``, ``b2``, ``eps``
+(None = the optimizer's own default) and ``extra``: keyword arguments of the optimizer's alias (``adamw_bc``,
 ``sophia``, ``shampoo``, ...); an unknown one is an error naming it. The bias-corrected names
 also take the collector's microbatching options ``loo_passes`` and ``vmap_microbatches``
 (``COLLECTOR_KEYS``), which ``build`` puts into the chain as ``collector_options``.
@@ -97,6 +98,7 @@ class OptimizerConfig:
   schedule: Any = dataclasses.field(default_factory=ScheduleConfig)
   clip_norm: float = 1.0
   clip_numerator_only: bool = False
+  all_dense: bool = False
   weight_decay: float = 0.1
   b1: Optional[float] = None
   b2: Optional[float] = None
@@ -116,8 +118,15 @@ class OptimizerConfig:
         _num(k, getattr(self, k), lo=0.0, hi=1.0, hi_open=True)
     if self.eps is not None:
       _num("eps", self.eps, lo=0.0)
+    for k in ("clip_numerator_only", "all_dense"):
+      if not isinstance(getattr(self, k), bool):
+        raise ValueError(f"optimizer.{k}={getattr(self, k)!r} must be true or false")
     if not isinstance(self.extra, Mapping):
       raise ValueError(f"optimizer.extra must be a mapping, got {type(self.extra).__name__}")
+    if self.all_dense and self.extra.get("sparse_lr_ratio", 1.0) != 1.0:
+      raise ValueError(f"optimizer.extra.sparse_lr_ratio={self.extra['sparse_lr_ratio']!r} "
+                       "sets the embedding branch's learning rate; optimizer.all_dense=true "
+                       "has no embedding branch (remove one of the two)")
     allowed = _REGISTRY[self.name].extra_keys
     for k in self.extra:
       if allowed is not None and k not in allowed:
@@ -167,7 +176,8 @@ def build(config: Union[Mapping[str, Any], OptimizerConfig], *,
       (True = decay); None decays every parameter (as the paper's code does).
     sparse_filter: callable params -> pytree of bools marking sparse-support tensors
       (embeddings). ``adamw_bc`` trains them with full-batch AdamW (no cross-fit); Shampoo
-      keeps them on its AdamW fallback; Muon on Adam; Sophia ignores it.
+      keeps them on its AdamW fallback; Muon on Adam; Sophia ignores it. Dropped with
+      ``all_dense``; ``adamw_bc``'s ``sparse_lr_ratio`` without one is an error.
     shard_dims: callable params -> pytree giving per tensor the dim a mesh's ``fsdp`` axis
       splits, or None (``scaleopt.models.fsdp_dims``); passed to factories that take a
       ``shard_dims`` keyword (Shampoo orders its blocks by it unless ``extra.block_major`` is
@@ -178,6 +188,8 @@ def build(config: Union[Mapping[str, Any], OptimizerConfig], *,
   """
   cfg = OptimizerConfig.from_dict(config)
   lr = make_schedule(cfg.schedule, cfg.learning_rate)
+  if cfg.all_dense:
+    sparse_filter = None
 
   opts = {k: v for k, v in cfg.extra.items() if k in COLLECTOR_KEYS}
   alias_cfg = dataclasses.replace(cfg, extra={k: v for k, v in cfg.extra.items()
@@ -203,8 +215,29 @@ def build(config: Union[Mapping[str, Any], OptimizerConfig], *,
     return inner
 
   # The spec is read from the state of an unmasked copy traced on an empty tree (masks and
-  # filters only route tensors; they do not change what is collected).
-  return make(wd_mask, sparse_filter), collector_spec(make(None, None))
+  # filters only route tensors; they do not change what is collected: a filter that marks
+  # nothing stands in for the caller's).
+  tx = make(wd_mask, sparse_filter)
+  no_sparse = lambda params: jax.tree.map(lambda _: False, params)
+  return tx, collector_spec(make(None, sparse_filter and no_sparse))
+
+
+def resolved_numerics(config: Union[Mapping[str, Any], OptimizerConfig],
+                      backend: Optional[str] = None) -> dict[str, Any]:
+  """The numerics a run of ``config`` executes on ``backend`` (default: JAX's), for the run's
+  summary: Shampoo's resolved ``root_method`` (``auto`` is eigh on CPU and for inv/full, Newton
+  on accelerators) and its matmul, statistics and Newton precisions; {} for other names."""
+  cfg = OptimizerConfig.from_dict(config)
+  if not cfg.name.startswith("shampoo"):
+    return {}
+  sig = inspect.signature(shampoo_lib.scale_by_shampoo).parameters
+  opt = lambda k: cfg.extra.get(k, sig[k].default)
+  mode = cfg.extra.get("mode", "full" if cfg.name == "shampoo_bc" else "std")
+  out = {k: opt(k) for k in ("matmul_precision", "stats_precision", "newton_precision",
+                             "eigh_implementation")}
+  out["root_method"] = shampoo_lib.resolve_root_method(
+      opt("root_method"), mode, backend, opt("d_max"), opt("eigh_implementation"))
+  return out
 
 
 def _kwargs_of(fn: Callable, *drop: str) -> tuple[str, ...]:
@@ -249,7 +282,10 @@ def _adamw_bc(cfg, lr, *, wd_mask, sparse_filter):
   ex = dict(cfg.extra)
   ratio = ex.pop("sparse_lr_ratio", 1.0)
   sparse_lr = None
-  if sparse_filter is not None and ratio != 1.0:
+  if ratio != 1.0:
+    if sparse_filter is None:
+      raise ValueError(f"optimizer.extra.sparse_lr_ratio={ratio!r} needs an embedding branch, "
+                       "and this build has no sparse_filter (pass one, or drop the ratio)")
     sparse_lr = make_schedule(cfg.schedule, cfg.learning_rate * ratio)
   return adam_bc.adamw_bc(lr, **cfg.betas(), weight_decay=cfg.weight_decay, mask=wd_mask,
                           sparse_filter=sparse_filter, sparse_learning_rate=sparse_lr, **ex)

@@ -49,7 +49,13 @@ Clipping (``clip_by_global_norm`` of this module): one factor c = min(1, max_nor
 from the full-batch gradient norm, applied to every statistic (means by c, squares and
 variances of gradients by c^2, variances of squares by c^4, LOO folds on c g_r), so the
 preconditioned update is the one of the clipped gradient stream, as ``optax`` composes clip
-and Adam. ``numerator_only=True`` reproduces the reference code (only the numerator scaled).
+and Adam. ``numerator_only=True`` reproduces the reference code: c = min(1, max_norm /
+||numerator||) scales what enters the first moment (``BCStats.numerator_clip``) and nothing
+else; every second-moment statistic (Adam's v, the g_A^2 of the alpha mix, Shampoo's factors
+and its AdamW fallback's v, the LOO folds) comes from the unclipped gradients, which the
+transforms read from ``bc_stats.numerator``. The one exception is the reference's leave-one-out
+form, whose persistent m and v both take the clipped g_full (its buffers alias the clipped
+gradient).
 """
 
 from __future__ import annotations
@@ -96,10 +102,11 @@ class GroupStats(NamedTuple):
 
 
 class LOOStats(NamedTuple):
-  """Leave-one-out fold statistics: mean over folds of the fold terms, and the sample variance
-  over folds M2 / (m - 1) of the fold denominators (the reference code's estimator)."""
+  """Leave-one-out fold statistics: mean over folds of the fold terms, the sample variance
+  over folds M2 / (m - 1) of the fold denominators (the reference code's estimator) and m."""
   mean: PyTree
   var: PyTree
+  count: int = 0
 
 
 class BCStats(NamedTuple):
@@ -116,6 +123,8 @@ class BCStats(NamedTuple):
     loss: mean loss over the step's own microbatches (as ``full``).
     aux: mean of the loss function's auxiliary outputs (as ``loss``).
     clip_factor: the clip factor c applied to the statistics (1.0 without clipping).
+    numerator_clip: the reference clip's factor min(1, max_norm / ||numerator||), applied to
+      the numerator alone (``clip_by_global_norm(..., numerator_only=True)``; 1.0 otherwise).
     precond: optimizer-specific estimator output (Sophia's curvature, Shampoo's factor
       statistics); None otherwise.
   """
@@ -128,6 +137,7 @@ class BCStats(NamedTuple):
   aux: PyTree
   clip_factor: jax.Array = 1.0
   precond: Any = None
+  numerator_clip: jax.Array = 1.0
 
 
 class Welford(NamedTuple):
@@ -557,6 +567,18 @@ def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional
   return out + (kept,) if keep_grads else out
 
 
+def unclipped_numerator(bc_stats: Optional[BCStats], updates: PyTree) -> PyTree:
+  """The numerator before a numerator-only clip, for the second-moment statistics: ``updates``
+  itself unless the collector set a numerator-only clip factor (then ``bc_stats.numerator``,
+  aligned with ``updates``' masked leaves)."""
+  if bc_stats is None or (isinstance(bc_stats.numerator_clip, (int, float))
+                          and bc_stats.numerator_clip == 1.0):
+    return updates
+  return jax.tree.map(lambda u, n: u if isinstance(u, optax.MaskedNode) else n.astype(u.dtype),
+                      updates, align(bc_stats.numerator, updates),
+                      is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+
 def clip_factor(g: PyTree, max_norm) -> jax.Array:
   """min(1, max_norm / ||g||), as ``optax.clip_by_global_norm``."""
   norm = optax.tree.norm(g)
@@ -572,8 +594,8 @@ def scale_group(s: Optional[GroupStats], c, var_of: Optional[str]) -> Optional[G
   return GroupStats(sc(s.mean, c), sc(s.sq, c * c), sc(s.var, kv), s.count)
 
 
-def _clip_of(found: list[Found], spec: CollectorSpec):
-  if spec.clip != "consistent":
+def _clip_of(found: list[Found], spec: CollectorSpec, kind: str = "consistent"):
+  if spec.clip != kind:
     return None
   return next(f.hp["max_norm"] for f in found if "max_norm" in f.hp)
 
@@ -613,7 +635,7 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
                                 g_all[0] if one else mbs,
                                 vmap=one and spec.vmap and not _spreads(m), reduce=reduce)
   loo = LOOStats(mean=jax.tree.map(lambda s: s / m, t),
-                 var=jax.tree.map(lambda s: jnp.maximum(s / (m - 1), 0.0), w.m2))
+                 var=jax.tree.map(lambda s: jnp.maximum(s / (m - 1), 0.0), w.m2), count=m)
   return BCStats(g_full, g_full, None, None, loo, loss, aux, c)
 
 
@@ -698,10 +720,14 @@ def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, opt_state: Py
   max_norm = _clip_of(found, spec)
   token = _AXIS.set(microbatch_axis if spec.vmap else None)
   try:
-    return _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
-                    b_microbatches)
+    stats = _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
+                     b_microbatches)
   finally:
     _AXIS.reset(token)
+  num_norm = _clip_of(found, spec, "numerator")
+  if num_norm is None:
+    return stats
+  return stats._replace(numerator_clip=clip_factor(stats.numerator, num_norm))
 
 
 def _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
@@ -734,7 +760,9 @@ def clip_by_global_norm(max_norm: float, *, numerator_only: bool = False
   With ``bc_stats`` (from ``collect``) the collector has already scaled every statistic by
   c = min(1, max_norm / ||g_full||) and this transform passes the updates through. Without
   ``bc_stats`` it is ``optax.clip_by_global_norm``. ``numerator_only=True`` (the reference
-  code's behaviour) leaves the statistics alone and clips only the numerator by its own norm.
+  code's behaviour) leaves the statistics alone and scales only the numerator by
+  c = min(1, max_norm / ||numerator||) (``bc_stats.numerator_clip``); the transforms take
+  their second-moment statistics from the unclipped ``bc_stats.numerator``.
   """
   spec = CollectorSpec(layout=None, clip="numerator" if numerator_only else "consistent")
 
@@ -744,8 +772,11 @@ def clip_by_global_norm(max_norm: float, *, numerator_only: bool = False
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     del params
-    if bc_stats is None or numerator_only:
+    if bc_stats is None:
       updates, _ = optax.clip_by_global_norm(max_norm).update(updates, optax.EmptyState())
+    elif numerator_only:
+      c = bc_stats.numerator_clip
+      updates = jax.tree.map(lambda u: (u * c).astype(u.dtype), updates)
     return updates, ClipState(state.spec, {"max_norm": jnp.asarray(max_norm, jnp.float32)})
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -798,12 +829,14 @@ def align(tree: PyTree, like: PyTree) -> PyTree:
 
 
 def refresh_groups(grad_fn: GradFn, params: PyTree, microbatches: PyTree, layout: str,
-                   refresh: jax.Array, b_microbatches: PyTree = None, *, vmap: bool = False):
+                   refresh: jax.Array, b_microbatches: PyTree = None, *, vmap: bool = False,
+                   a_every_step: bool = False):
   """Numerator group statistics and the preconditioner group for periodic refreshes.
 
   ``ab``: on refresh steps the numerator uses group A only (cross-fit), on the other steps
-  all microbatches (``phases.cond``); ``rolling_b``: A is ``microbatches``, B
-  ``b_microbatches``; ``all``: both use every microbatch. ``vmap``: see ``fold_microbatches``.
+  all microbatches (``phases.cond``), or group A on every step with ``a_every_step`` (the
+  authors' code: the momentum's noise level is then the same on every step); ``rolling_b``:
+  A is ``microbatches``, B ``b_microbatches``; ``all``: both use every microbatch. ``vmap``: see ``fold_microbatches``.
 
   Returns:
     ((mean gradient, loss, aux) of the numerator group, group-B microbatches).
@@ -814,6 +847,8 @@ def refresh_groups(grad_fn: GradFn, params: PyTree, microbatches: PyTree, layout
 
   if layout == "ab":
     mbs_a, mbs_b = halves(microbatches, "layout 'ab'")
+    if a_every_step:
+      return num_of(mbs_a), mbs_b
     num = phases.cond(refresh, lambda: num_of(mbs_a), lambda: num_of(microbatches))
     return num, mbs_b
   num = num_of(microbatches)
@@ -831,6 +866,18 @@ def skipped_tensors(opt_state: PyTree) -> jax.Array:
   ``opt_state`` (summed over the BC states; 0 when none skips per tensor)."""
   counts = [f.state.skipped for f in find_bc_states(opt_state) if hasattr(f.state, "skipped")]
   return sum(counts, jnp.zeros((), jnp.int32))
+
+
+def rule_counts(opt_state: PyTree) -> dict[str, jax.Array]:
+  """{rule: coordinates (or blocks) it changed in the update that produced ``opt_state``},
+  summed over the BC states that keep a ``rules`` dict (LOO sign flips zeroed, inverses and
+  variances clamped at 0, enlarging corrections, Newton roots that stopped unconverged,
+  non-finite roots replaced by the previous root)."""
+  out: dict[str, jax.Array] = {}
+  for f in find_bc_states(opt_state):
+    for k, v in (getattr(f.state, "rules", None) or {}).items():
+      out[k] = out.get(k, jnp.zeros((), jnp.int32)) + v
+  return out
 
 
 def schedule_count(opt_state: PyTree) -> Optional[jax.Array]:

@@ -38,7 +38,8 @@ Bias correction (``mode``; statistics on root steps only, from ``shampoo_collect
   over B accumulates S^L_B, S^R_B; the new L, R are decomposed; pass 2 over B recomputes each
   G_j and projects it on the new bases (Welford). ``inv`` uses all microbatches as one group.
 
-On steps without a root computation an ``ab`` layout feeds M with all microbatches.
+On steps without a root computation an ``ab`` layout feeds M with all microbatches
+(``ab_numerator="a"``: group A on every step, as the authors' code).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from scaleopt.optim import delta, phases
 from scaleopt.optim.adam_bc import check_choice
 from scaleopt.optim.collect import (BCStats, CollectorSpec, Static, clip_factor, refresh_groups,
-                                    register_bc_state, register_estimator, value_and_grad_fn,
-                                    welford_add, welford_init)
+                                    register_bc_state, register_estimator, unclipped_numerator,
+                                    value_and_grad_fn, welford_add, welford_init)
 
 PyTree = Any
 MaskedNode = optax.MaskedNode
@@ -66,6 +67,7 @@ MODES = ("std", "cf", "inv", "full")
 CROSSFITS = ("ab", "rolling_b")
 ROOT_METHODS = ("auto", "eigh", "newton")
 GRAFTS = ("none", "adam")
+AB_NUMERATORS = ("all_off_refresh", "a")
 STACKED = ("auto", "none")
 # ``eigh_implementation``: the solver of jax.lax.linalg.eigh; None: the backend's default (on
 # GPU cuSOLVER syevd, Jacobi for n <= 32), "jacobi" (GPU: cuSOLVER syevj for every size; not
@@ -460,18 +462,21 @@ def shampoo_collector_spec(mode: str, crossfit: str, root_every: int, block_size
                            stats_precision: str = "highest",
                            eigh_implementation: Optional[str] = None,
                            block_major: Optional[Callable] = None,
-                           block_shards: int = 1) -> CollectorSpec:
+                           block_shards: int = 1,
+                           ab_numerator: str = "all_off_refresh") -> CollectorSpec:
   """The estimator pass these settings need (``std``: the plain collector); the B-side
   statistics G_j G_j^T, G_j^T G_j take ``stats_precision``, the two-pass eigendecomposition
   ``eigh_implementation``, the blocks ``block_major``'s order and ``block_shards``' cut."""
   check_choice("mode", mode, MODES)
   check_choice("crossfit", crossfit, CROSSFITS)
+  check_choice("ab_numerator", ab_numerator, AB_NUMERATORS)
   if mode == "std":
     return CollectorSpec(layout=None)
   layout = "all" if mode == "inv" else crossfit
   opts = (("two_pass", mode in ("inv", "full")), ("block_size", block_size),
           ("stats_precision", stats_precision), ("eigh_implementation", eigh_implementation),
-          ("block_major", block_major), ("block_shards", block_shards))
+          ("block_major", block_major), ("block_shards", block_shards),
+          ("a_every_step", ab_numerator == "a"))
   return CollectorSpec(layout=layout, estimator="shampoo", refresh_every=root_every,
                        estimator_options=opts, stateful=True)
 
@@ -582,7 +587,8 @@ def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collect
   root = phases.due(st.count, spec.refresh_every)
   grad_fn = value_and_grad_fn(loss_fn)
   (num, loss, aux), mbs_b = refresh_groups(grad_fn, params, microbatches, spec.layout, root,
-                                           b_microbatches, vmap=spec.vmap)
+                                           b_microbatches, vmap=spec.vmap,
+                                           a_every_step=opts.get("a_every_step", False))
   m_b = jax.tree.leaves(mbs_b)[0].shape[0]
   if opts["two_pass"] and m_b < 2:
     raise ValueError(f"the eigenvalue-variance correction needs >= 2 microbatches in group B, "
@@ -823,9 +829,10 @@ def _eligible(x, excl, stack_sizes, *, stacked, min_dim, max_dim) -> bool:
   return min(x.shape[-2:]) >= min_dim and max(x.shape[-2:]) <= max_dim
 
 
-def _all_directions(orig_l, g_l, mu_l, nu_l, fac, blk, t, hp):
+def _all_directions(orig_l, g_l, raw_l, mu_l, nu_l, fac, blk, t, hp):
   """Momentum, Adam second moment and direction of every tensor (flattened lists): matrices
-  with factors use b1 and P_L M P_R, fallback tensors adam_b1 and Adam."""
+  with factors use b1 and P_L M P_R, fallback tensors adam_b1 and Adam. The momentum takes
+  ``g_l``, the Adam second moment ``raw_l`` (the gradient before a numerator-only clip)."""
   out_u, out_mu, out_nu = list(g_l), list(mu_l), list(nu_l)
   for i, g in enumerate(g_l):
     if _is_masked(g):
@@ -834,7 +841,8 @@ def _all_directions(orig_l, g_l, mu_l, nu_l, fac, blk, t, hp):
     b1_i = hp["b1"] if f is not None else hp["ab1"]
     out_mu[i] = b1_i * mu_l[i] + (1 - b1_i) * g
     adam = (1.0 - b1_i ** t, hp["ab2"], 1.0 - hp["ab2"] ** t, hp["eps"])
-    u, out_nu[i] = _direction(g, out_mu[i], nu_l[i], f, blk.get(str(i)), hp["graft"], adam,
+    u, out_nu[i] = _direction(raw_l[i], out_mu[i], nu_l[i], f, blk.get(str(i)), hp["graft"],
+                              adam,
                               hp["update_clip_fro"], hp["matmul_precision"])
     out_u[i] = u.astype(orig_l[i].dtype)
   return out_u, out_mu, out_nu
@@ -867,6 +875,7 @@ def scale_by_shampoo(
     mode: str = "std",
     crossfit: str = "ab",
     correction_scale: float = 1.0,
+    ab_numerator: str = "all_off_refresh",
     mu_dtype: Optional[str] = None,
     matmul_precision: str = "high",
     stats_precision: str = "high",
@@ -920,6 +929,9 @@ def scale_by_shampoo(
       blocked as usual.
     mode: ``std|cf|inv|full``; crossfit: ``ab`` or ``rolling_b``.
     correction_scale: multiplies the (5/32) lam^{-9/4} Var term.
+    ab_numerator: M's input in the ``ab`` layout: ``all_off_refresh`` (default: group A on
+      root steps, all 2m microbatches on the others) or ``a`` (group A on every step, the
+      authors' code: the same noise level on every step).
     mu_dtype: dtype of the stored momentum M (None: float32; as ``optax.adamw``'s
       ``mu_dtype``): b1 M + (1 - b1) G runs in float32 from the stored M (as optax's), and M
       is rounded to ``mu_dtype`` when stored.
@@ -948,7 +960,7 @@ def scale_by_shampoo(
             eigh_implementation=eigh_implementation, block_major=block_major,
             block_shards=block_shards, offload_statistics=offload_statistics)
   spec = shampoo_collector_spec(mode, crossfit, root_every, block_size, stats_precision,
-                                eigh_implementation, block_major, block_shards)
+                                eigh_implementation, block_major, block_shards, ab_numerator)
   ab1 = b1 if adam_b1 is None else adam_b1
   ab2 = b2 if adam_b2 is None else adam_b2
   hp = lambda: {k: jnp.asarray(v, jnp.float32) for k, v in
@@ -977,15 +989,17 @@ def scale_by_shampoo(
     count, count_inc = state.count, optax.safe_increment(state.count)
     orig_l, td = jax.tree.flatten(updates, is_leaf=_is_masked)
     g_l = [g if _is_masked(g) else g.astype(jnp.float32) for g in orig_l]
+    # the statistics' gradient: before a numerator-only clip
+    raw_l = td.flatten_up_to(unclipped_numerator(bc_stats, td.unflatten(g_l)))
     mu_l, nu_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
     keys = sorted(state.factors)
     blk = _blockings(updates, keys, block_size, block_major, block_shards)
-    fac = _update_factors(state.factors, g_l, blk, keys, count, pre, _step_ok(bc_stats),
+    fac = _update_factors(state.factors, raw_l, blk, keys, count, pre, _step_ok(bc_stats),
                           mode=mode, stats_every=stats_every, root_every=root_every, b2=b2,
                           stats_precision=stats_precision, offload=offload_statistics,
                           root_kw=root_kw)
     out_u, out_mu, out_nu = _all_directions(
-        orig_l, g_l, mu_l, nu_l, fac, blk, count_inc.astype(jnp.float32),
+        orig_l, g_l, raw_l, mu_l, nu_l, fac, blk, count_inc.astype(jnp.float32),
         dict(b1=b1, ab1=ab1, ab2=ab2, eps=eps, graft=graft, update_clip_fro=update_clip_fro,
              matmul_precision=matmul_precision))
     un = lambda l: jax.tree.unflatten(td, l)

@@ -107,8 +107,12 @@ def _check_k(k):
     raise ValueError(f"k={k!r} (Hessian refresh interval) must be an integer >= 1")
 
 
+AB_NUMERATORS = ("all_off_refresh", "a")
+
+
 def sophia_collector_spec(mode, crossfit, estimator, k, statistic, count_unit,
-                          denominator_scale, correction) -> CollectorSpec:
+                          denominator_scale, correction,
+                          ab_numerator="all_off_refresh") -> CollectorSpec:
   """The estimator pass these settings need (stored in the state)."""
   check_choice("crossfit", crossfit, CROSSFITS)
   check_choice("estimator", estimator, ESTIMATORS)
@@ -116,12 +120,14 @@ def sophia_collector_spec(mode, crossfit, estimator, k, statistic, count_unit,
   check_choice("denominator_scale", denominator_scale, DENOMINATOR_SCALES)
   _check_k(k)
   check_choice("statistic", statistic, STATISTICS)
+  check_choice("ab_numerator", ab_numerator, AB_NUMERATORS)
   if correction != "none" and estimator == "gnb" and statistic != "mean_sq":
     raise ValueError("the variance correction needs statistic='mean_sq' (per-microbatch "
                      "estimates whose spread gives Var(h_step))")
   layout = "all" if mode in ("std", "inv") else crossfit
   weight = count_unit if denominator_scale == "matched" else "none"
-  opts = (("statistic", statistic), ("weight", weight), ("need_var", correction != "none"))
+  opts = (("statistic", statistic), ("weight", weight), ("need_var", correction != "none"),
+          ("a_every_step", ab_numerator == "a"))
   return CollectorSpec(layout=layout, estimator=estimator, refresh_every=k,
                        needs_logits=estimator == "gnb", needs_key=True, estimator_options=opts)
 
@@ -186,7 +192,8 @@ def sophia_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collecto
   refresh = phases.due(states[0].count, spec.refresh_every)
   (num, loss, aux), mbs_c = refresh_groups(value_and_grad_fn(loss_fn), params, microbatches,
                                            spec.layout, refresh, b_microbatches,
-                                           vmap=spec.vmap)
+                                           vmap=spec.vmap,
+                                           a_every_step=opts.get("a_every_step", False))
   need_var = opts["need_var"]
   m_c = jax.tree.leaves(mbs_c)[0].shape[0]
   if need_var and m_c < 2:
@@ -240,6 +247,7 @@ def scale_by_sophia(
     bs: Optional[float] = None,
     correction_scale: float = 1.0,
     bias_correct_momentum: bool = False,
+    ab_numerator: str = "all_off_refresh",
     hessian_first: bool = True,
     skip_nonfinite: bool = True,
     state_dtype=jnp.float32,
@@ -262,6 +270,10 @@ def scale_by_sophia(
     denominator_scale, bs: ``matched`` (s = 1) or ``reference`` (s = bs, required).
     correction_scale: multiplies the subtracted delta-method term.
     bias_correct_momentum: use m / (1 - b1^t) (optax.contrib.sophia) instead of m (paper).
+    ab_numerator: the momentum's input in the ``ab`` layout: ``all_off_refresh`` (default:
+      group A on refresh steps, all 2m microbatches on the others, where no curvature is
+      computed) or ``a`` (group A on every step, the authors' code: the same noise level on
+      every step).
     hessian_first: on refresh steps use the new inverse in the same step (paper's code);
       False uses the previous one and refreshes afterwards (optax.contrib.sophia).
     skip_nonfinite: a tensor with a non-finite update gets a zero update and keeps its state
@@ -274,7 +286,7 @@ def scale_by_sophia(
   correction = _resolve(mode, correction)
   statistic = statistic or ("sq_of_mean" if mode == "std" else "mean_sq")
   spec = sophia_collector_spec(mode, crossfit, estimator, k, statistic, count_unit,
-                               denominator_scale, correction)
+                               denominator_scale, correction, ab_numerator)
   if not eps > 0:
     raise ValueError(f"eps={eps!r} must be > 0 (it bounds the inverse before the first refresh)")
   if denominator_scale == "reference" and (bs is None or bs <= 0):

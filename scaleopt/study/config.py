@@ -260,7 +260,7 @@ def _check_build(cell: Cell, opt: dict) -> None:
   ``optimizer.extra`` that the config schema only checks by name."""
   from scaleopt.train import bridge
   try:
-    bridge.build_optimizer(opt, wd_mask=None, sparse_filter=None)
+    bridge.build_optimizer(opt, wd_mask=None, sparse_filter=bridge.sparse_filter)
   except (ValueError, TypeError) as e:
     raise ConfigError(f"study cell {cell.id}: config section 'optimizer': {e}") from None
 

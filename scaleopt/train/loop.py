@@ -685,6 +685,7 @@ def _summary(cfg: TrainConfig, s: Setup, res: _Outcome, meter: _Meter, start) ->
       "mfu": tps_run * flops_per_token / peak_all if peak_all else None,
       "skipped_steps": res.last_row.get("skipped", 0), "optimizer": cfg.optimizer["name"],
       "layout": s.spec.layout, "sweeps_per_step": bridge.passes_per_step(s.spec),
+      "optimizer_numerics": optim.resolved_numerics(cfg.optimizer),
       "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
       "resumed_from": start,
       "stopped_early": res.stopped is not None or res.interrupted is not None,

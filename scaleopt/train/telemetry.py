@@ -20,6 +20,10 @@ and, for the bias-corrected forms (statistics with a variance: ``mode`` inv / fu
                         |u - u0|, rounding), an unclamped one moves by about 1% of its
                         correction; coordinates whose correction is lost in rounding
                         (|u - u0| <= 1e-5 |u0|) do not count
+  bc_rules/<rule>       coordinates a safeguard changed this step, summed over the model
+                        (``scaleopt.optim.rule_counts``: LOO sign flips zeroed, corrected
+                        inverses and negative variance estimates clamped at 0, corrections
+                        that enlarged a step)
   bc_var_ratio/<group>  sum Var_hat(x) / sum x^2: the estimated variance of the preconditioner
                         statistic relative to its square; x is the B group's mean gradient
                         (``var_of`` grad) or mean of squares (``sq``); for LOO the fold
@@ -50,7 +54,7 @@ from scaleopt.optim import phases
 
 PyTree = Any
 NORMS = ("grad_norm", "update_norm", "param_norm")
-BC = ("bc_correction", "bc_clamped", "bc_var_ratio")
+BC = ("bc_correction", "bc_clamped", "bc_var_ratio", "bc_rules")
 FLAG = "telemetry"
 
 
@@ -165,7 +169,18 @@ def compute(tx, opt_state, params_before, stats, updates, params_after) -> dict[
          **_norms("update_norm", updates, params_before),
          **_norms("param_norm", params_after, params_before)}
   out.update(_bc(tx, opt_state, params_before, stats, updates))
+  out.update(_rules(tx, opt_state, params_before, stats))
   return out
+
+
+def _rules(tx, opt_state, params, stats) -> dict[str, jax.Array]:
+  """``bc_rules/<rule>``: coordinates each safeguard changed this step (``optim.rule_counts``
+  of the state the chain produces; one more evaluation of the chain's update)."""
+  from scaleopt import optim
+  if not optim.rule_counts(opt_state):
+    return {}
+  new = tx.update(stats.numerator, opt_state, params, bc_stats=stats)[1]
+  return {f"bc_rules/{k}": v.astype(jnp.float32) for k, v in optim.rule_counts(new).items()}
 
 
 def maybe_compute(every: int, step: jax.Array, *args) -> dict[str, jax.Array]:

@@ -226,3 +226,48 @@ def test_aliases_are_callable_from_the_package():
   for name in ("adamw_bc", "sophia", "sophia_bc", "shampoo", "shampoo_bc"):
     tx = getattr(so, name)(1e-3)
     assert isinstance(tx, optax.GradientTransformation), name
+
+
+# ----------------------------------------------------------------------------- all_dense
+
+
+def _emb_params():
+  return {"emb": jnp.ones((5, 4)), "w": jnp.ones((4, 3))}
+
+
+def test_all_dense_drops_the_embedding_branch():
+  """``all_dense: true`` (the paper's --all_dense): every tensor takes the bias-corrected
+  update, as if no sparse filter were given."""
+  sparse = lambda p: {"emb": True, "w": False}
+  cfg = {"name": "adamw_bc", "extra": {"mode": "full", "crossfit": "loo"}}
+  struct = lambda tx: jax.tree.structure(tx.init(_emb_params()))
+  hybrid, _ = build(cfg, sparse_filter=sparse)
+  dense, _ = build(dict(cfg, all_dense=True), sparse_filter=sparse)
+  plain, _ = build(cfg)
+  assert struct(dense) == struct(plain) != struct(hybrid)
+
+
+def test_sparse_lr_ratio_without_an_embedding_branch_is_an_error():
+  cfg = {"name": "adamw_bc", "extra": {"sparse_lr_ratio": 0.5}}
+  with pytest.raises(ValueError, match=r"optimizer.extra.sparse_lr_ratio=0.5 .*all_dense=true"):
+    OptimizerConfig.from_dict(dict(cfg, all_dense=True))
+  with pytest.raises(ValueError, match=r"optimizer.extra.sparse_lr_ratio=0.5 needs an "
+                     "embedding branch"):
+    build(cfg)
+  build(cfg, sparse_filter=lambda p: {"emb": True, "w": False})  # with a filter: fine
+  with pytest.raises(ValueError, match=r"optimizer.all_dense='yes' must be true or false"):
+    OptimizerConfig.from_dict({"name": "adamw", "all_dense": "yes"})
+
+
+def test_resolved_numerics_name_the_root_method_a_run_executes():
+  """summary.json's optimizer_numerics: ``auto`` is eigh on CPU, Newton at "high" on GPU for
+  std Shampoo, eigh for Shampoo-BC's full mode everywhere; {} for other optimizers."""
+  from scaleopt.optim import resolved_numerics
+  assert resolved_numerics({"name": "shampoo"}, backend="cpu")["root_method"] == "eigh"
+  gpu = resolved_numerics({"name": "shampoo"}, backend="gpu")
+  assert gpu["root_method"] == "newton" and gpu["newton_precision"] == "high"
+  assert gpu["matmul_precision"] == "high"
+  assert resolved_numerics({"name": "shampoo_bc"}, backend="gpu")["root_method"] == "eigh"
+  assert resolved_numerics({"name": "shampoo", "extra": {"root_method": "eigh"}},
+                           backend="gpu")["root_method"] == "eigh"
+  assert resolved_numerics({"name": "adamw"}) == {}

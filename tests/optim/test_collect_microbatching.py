@@ -103,6 +103,51 @@ def test_loo_one_pass_and_vmap_equal_the_two_pass_scan(opts, rtol):
   assert not np.allclose(p_got["w1"], params["w1"], rtol=1e-3)  # the steps moved
 
 
+def _per_microbatch_grads(params, mbs, loss):
+  """float64 gradients of each microbatch, one ``jax.grad`` call each (no collector)."""
+  out = [jax.grad(lambda p: loss(p, jax.tree.map(lambda x: x[j], mbs))[0])(params)
+         for j in range(M)]
+  return {k: np.stack([np.asarray(o[k], np.float64) for o in out]) for k in params}
+
+
+@pytest.mark.parametrize("opts", [{}, dict(loo_passes=2), dict(vmap_microbatches=True)],
+                         ids=["default", "two_pass", "vmap"])
+def test_loo_first_step_equals_float64_reference(opts):
+  """Independent reference, first step (m = v = 0, t = 1, b1 = b2 = 0.9): c = min(1, 0.05 /
+  ||g_full||); per fold m_hat_r = c g_r, d_r = |c g_{-r}| + eps (g_{-r} the leave-one-out
+  mean), LOO terms mean_r m_hat_r / d_r and mean_r m_hat_r / d_r^3, Var_r(d_r) (ddof 1)."""
+  params, mbs, loss = mlp()
+  got, _ = run(adamw_bc_chain(opts), params, mbs, loss, steps=1)
+  g = _per_microbatch_grads(params, mbs, loss)
+  gf = {k: v.mean(0) for k, v in g.items()}
+  c = min(1.0, 0.05 / np.sqrt(sum(np.sum(x * x) for x in gf.values())))
+  np.testing.assert_allclose(float(got[0].clip_factor), c, rtol=1e-5)
+  for k in params:
+    g_mr = (M * gf[k] - g[k]) / (M - 1)
+    d = np.abs(c * g_mr) + 1e-8
+    want = {"first": np.mean(c * g[k] / d, 0), "third": np.mean(c * g[k] / d ** 3, 0)}
+    for t in want:
+      close(got[0].loo.mean[t][k], want[t], 1e-4)
+    close(got[0].loo.var[k], np.var(d, 0, ddof=1), 1e-4)
+    close(got[0].numerator[k], c * gf[k], 1e-5)
+
+
+def test_ab_group_statistics_equal_float64_reference():
+  """Independent reference for the A/B layout (vmapped gradients): group means, B's variance
+  of the mean M2 / (m_B (m_B - 1)), all scaled by the consistent clip's c (c^2 for Var)."""
+  params, mbs, loss = mlp()
+  got, _ = run(adamw_bc_chain(dict(vmap_microbatches=True), mode="full", crossfit="ab"),
+               params, mbs, loss, steps=1)
+  g = _per_microbatch_grads(params, mbs, loss)
+  gf = {k: v.mean(0) for k, v in g.items()}
+  c = min(1.0, 0.05 / np.sqrt(sum(np.sum(x * x) for x in gf.values())))
+  h = M // 2
+  for k in params:
+    close(got[0].a.mean[k], c * g[k][:h].mean(0), 1e-4)
+    close(got[0].b.mean[k], c * g[k][h:].mean(0), 1e-4)
+    close(got[0].b.var[k], c * c * np.var(g[k][h:], 0, ddof=1) / h, 1e-4)
+
+
 @pytest.mark.parametrize("mode,crossfit", [("full", "ab"), ("inv", "ab")])
 def test_vmap_equals_scan_for_group_layouts(mode, crossfit):
   params, mbs, loss = mlp()
