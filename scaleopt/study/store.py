@@ -14,9 +14,9 @@ deletes it, unless the study keeps checkpoints (``engine.keep_checkpoints``: the
 stays). Only the curves the report draws are stored; the other metrics columns go with the
 folder. Finished folders the store lacks (a crash between the two steps, or a study folder of
 the older one-folder-per-cell layout) are folded in, and left in place, at the start of every
-run; ``python -m scaleopt.study.store DIR --remove`` folds them in once and deletes them.
+run; ``python -m scaleopt.study.convert DIR --remove`` folds them in once and deletes them.
 
-Writers append under an exclusive ``flock`` of ``DIR/cells.lock`` and skip cells already
+Writers append under an exclusive ``flock`` of ``cells.jsonl`` and skip cells already
 present, so workers sharing one ``--out`` never write a cell twice or interleave lines; readers
 take the shared lock. Store files of different machines merge by concatenation: a cell id seen
 twice counts once (the first line).
@@ -24,7 +24,6 @@ twice counts once (the first line).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import json
@@ -53,7 +52,7 @@ def _clean(v):
 @contextlib.contextmanager
 def _locked(out: pathlib.Path, mode: int) -> Iterator[None]:
   out.mkdir(parents=True, exist_ok=True)
-  with open(out / "cells.lock", "a") as fh:
+  with open(out / STORE, "a") as fh:  # the lock is on the store file itself
     fcntl.flock(fh, mode)
     try:
       yield
@@ -200,25 +199,3 @@ def convert(study: pathlib.Path, remove: bool = False) -> str:
   return (f"{study}: {added} cell(s) added, {len(stored)} in {STORE}"
           + (f", {len(folders)} folder(s) removed" if remove else ""))
 
-
-def main(argv: list[str] | None = None) -> int:
-  """``python -m scaleopt.study.store STUDY_DIR ... [--remove]``: converts study folders of
-  the one-folder-per-cell layout; then rebuild each report with ``scaleopt study --config ...
-  --out STUDY_DIR --report-only``."""
-  ap = argparse.ArgumentParser(prog="python -m scaleopt.study.store",
-                               description="fold finished cell folders into cells.jsonl")
-  ap.add_argument("studies", nargs="+", type=pathlib.Path)
-  ap.add_argument("--remove", action="store_true",
-                  help="delete each finished cell folder once it is in cells.jsonl")
-  args = ap.parse_args(argv)
-  for s in args.studies:
-    if not (s / "cells").is_dir():
-      print(f"error: {s}: no cells/ folder to convert", file=sys.stderr)
-      return 2
-  for s in args.studies:
-    print(convert(s, args.remove))
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from scaleopt.study import config as SC
-from scaleopt.study import engines, report, runner, store
+from scaleopt.study import convert, engines, report, runner, store
 
 from test_study_config import BC_TINY, _raw
 
@@ -152,7 +152,7 @@ def test_converter_on_an_old_layout_folder(tmp_path, capsys):
                     (runner.cell_dir(old, c) / "metrics.jsonl").read_text().splitlines()]
              for c in cells[:-1]}
 
-  assert store.main([str(new), "--remove"]) == 0
+  assert convert.main([str(new), "--remove"]) == 0
   assert f"{len(cells) - 1} cell(s) added" in capsys.readouterr().out
   recs = {r["cell"]["id"]: r for r in store.read(new)}
   assert sorted(recs) == sorted(results)
@@ -169,7 +169,7 @@ def test_converter_on_an_old_layout_folder(tmp_path, capsys):
   for f in ("results.csv", "summary.md"):
     assert (new / f).read_text() == (old / f).read_text(), f
   # a second run adds nothing; a folder without cells/ is one line, exit 2
-  assert store.main([str(new)]) == 0 and "0 cell(s) added" in capsys.readouterr().out
-  assert store.main([str(tmp_path / "nothing")]) == 2
+  assert convert.main([str(new)]) == 0 and "0 cell(s) added" in capsys.readouterr().out
+  assert convert.main([str(tmp_path / "nothing")]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "nothing: no cells/ folder" in err
