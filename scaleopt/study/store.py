@@ -3,7 +3,7 @@
 Each line is one finished cell::
 
   {"cell":    {"id", "arm", "grid", "lr", "seed", "stage"},   the cell's key
-   "config":  {flattened training config without cosmetic keys},  checked against the study
+   "config":  {the cell's training config, flattened, without cosmetic keys}
    "result":  {status, val_loss, test_loss, gradient_passes, ...},   one results.csv row
    "summary": {the run's summary.json},
    "curves":  {"loss": [[step, value], ...], "eval_loss": [[step, value], ...]}}
@@ -51,8 +51,10 @@ def _clean(v):
 
 @contextlib.contextmanager
 def _locked(out: pathlib.Path, mode: int) -> Iterator[None]:
-  out.mkdir(parents=True, exist_ok=True)
-  with open(out / STORE, "a") as fh:  # the lock is on the store file itself
+  if mode == fcntl.LOCK_EX:
+    out.mkdir(parents=True, exist_ok=True)
+  # the lock is on the store file itself; readers open it read-only (a read-only checkout)
+  with open(out / STORE, "a" if mode == fcntl.LOCK_EX else "r") as fh:
     fcntl.flock(fh, mode)
     try:
       yield
