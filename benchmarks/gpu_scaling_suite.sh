@@ -23,7 +23,7 @@
 #     fsdp4 and AdamW data4 with 1 microbatch; then AdamW and adamw_bc (LOO) with 2
 #     microbatches
 #
-# SUITE_PLAN=open (under 9 minutes; its rows are in docs/benchmarks.md "The layer-scan unroll, ..."):
+# SUITE_PLAN=open (under 9 minutes; its rows are in lab/benchmarks_history.md "The layer-scan unroll, ..."):
 #   Shampoo on 4 GPUs at TF32: fsdp4 and data4 with ZeRO-1, against AdamW fsdp4 and data4 +
 #     ZeRO-1
 #   bias correction with microbatches on the fsdp axis (adamw_bc LOO, sophia_bc), against

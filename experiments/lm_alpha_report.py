@@ -2,7 +2,7 @@ r"""Alpha of L(N) per optimizer from a language-model width study (``configs/stu
 
     python experiments/lm_alpha_report.py STUDY_DIR OUT_DIR [--bootstrap 2000] [--window 3]
 
-Reads the study folder alone (``cells/*/*/result.json`` and ``config.yaml``, ``study.yaml``, the
+Reads the study folder alone (its finished cells, ``cells.jsonl``, and ``study.yaml``, the
 optional ``diag.csv`` of ``experiments/lm_alpha_diag.py``); works on CPU. Arms are named
 ``<optimizer>+<d_model>``. Per optimizer (``scaleopt.scaling.lm_alpha.study_alpha``): at each
 width the lr with the smallest seed-mean loss on the held-out split's val half, the test-half
@@ -52,16 +52,17 @@ class ReportError(ValueError):
 
 def write_results(study: pathlib.Path, path: pathlib.Path,
                   prefixes: list[str] | None = None) -> list[dict]:
-  """Every finished cell of ``study`` (its result.json files; with ``prefixes``, of the arms
+  """Every finished cell of ``study`` (``scaleopt.study.store``; with ``prefixes``, of the arms
   starting with one of them) as a results.csv at ``path``."""
   from scaleopt.study import report
-  if not (study / "cells").is_dir():
-    raise ReportError(f"{study}: no cells/ folder (not a study folder, or nothing ran yet)")
+  if not (study / "cells.jsonl").is_file() and not (study / "cells").is_dir():
+    raise ReportError(f"{study}: no cells.jsonl and no cells/ folder (not a study folder, "
+                      "or nothing ran yet)")
   rows = sorted((r for r in report.read_rows(study)
                  if prefixes is None or r["arm"].startswith(tuple(prefixes))),
                 key=lambda r: r["id"])
   if not rows:
-    raise ReportError(f"{study}: no finished cell (no cells/*/*/result.json)")
+    raise ReportError(f"{study}: no finished cell")
   bad = [r["arm"] for r in rows if SEP not in r["arm"]]
   if bad:
     raise ReportError(f"{study}: arm {bad[0]!r} is not named <optimizer>{SEP}<d_model>")
@@ -74,24 +75,37 @@ def write_results(study: pathlib.Path, path: pathlib.Path,
   return rows
 
 
-def non_embedding_params(study: pathlib.Path, rows: list[dict]) -> dict[int, int]:
-  """width -> non-embedding parameters, from each width's cell config.yaml (every optimizer
-  at one width must have the same model)."""
-  import yaml
+def _model_section(study: pathlib.Path, r: dict) -> dict:
+  """A cell's model config, from its stored config fingerprint (flattened keys)."""
+  if not r.get("config"):
+    raise ReportError(f"{study}: cell {r['id']!r} has no stored config")
+  model: dict = {}
+  for k, v in r["config"].items():
+    if k.startswith("model."):
+      *path, last = k.split(".")[1:]
+      d = model
+      for part in path:
+        d = d.setdefault(part, {})
+      d[last] = v
+  return model
 
+
+def non_embedding_params(study: pathlib.Path, rows: list[dict]) -> dict[int, int]:
+  """width -> non-embedding parameters, from each width's cell config (every optimizer at one
+  width must have the same model)."""
   from scaleopt import models
   from scaleopt.train import bridge
   out: dict[int, int] = {}
   for r in rows:
     arm, width = r["arm"].rsplit(SEP, 1)
-    with open(pathlib.Path(r["dir"]) / "config.yaml") as fh:
-      mcfg = bridge.model_config(yaml.safe_load(fh)["model"])
+    mcfg = bridge.model_config(_model_section(study, r))
     if mcfg.d_model != int(width):
-      raise ReportError(f"{r['dir']}: arm {r['arm']!r} has model.d_model={mcfg.d_model}")
+      raise ReportError(f"{study}: cell {r['id']!r} has model.d_model={mcfg.d_model}")
     emb = mcfg.vocab_size * mcfg.d_model * (1 if mcfg.tie_embeddings else 2)
     n = models.count_params(mcfg) - emb
     if out.setdefault(mcfg.d_model, n) != n:
-      raise ReportError(f"{r['dir']}: width {width} has {n} non-embedding parameters here but "
+      raise ReportError(f"{study}: cell {r['id']!r} (width {width}) has {n} non-embedding "
+                        f"parameters but "
                         f"{out[mcfg.d_model]} in another arm")
   return out
 

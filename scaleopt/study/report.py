@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import math
 import pathlib
 from typing import Optional, Sequence
 
 import numpy as np
 from scipy import stats as sps
+
+from scaleopt.study import store
 
 COLUMNS = ("cell", "arm", "lr", "seed", "stage", "status", "steps", "tokens", "gradient_passes",
            "val_loss", "test_loss", "train_loss", "wall_time_s", "tokens_per_s",
@@ -81,23 +82,14 @@ def clean(d: dict) -> dict:
 # Finished cells.
 
 
-def _result_files(out: pathlib.Path) -> list[pathlib.Path]:
-  return sorted((pathlib.Path(out) / "cells").glob("*/*/result.json"))
-
-
 def finished_ids(out: pathlib.Path) -> set:
-  return {json.loads(p.read_text())["id"] for p in _result_files(out)}
+  return {r["cell"]["id"] for r in store.finished(pathlib.Path(out))}
 
 
 def read_rows(out: pathlib.Path) -> list[dict]:
-  rows = []
-  for p in _result_files(out):
-    r = json.loads(p.read_text())
-    r["dir"] = str(p.parent)
-    for k in ("val_loss", "test_loss", "train_loss"):
-      if r.get(k) is None:
-        r[k] = math.nan
-    rows.append(r)
+  """The finished cells of ``out`` (``store.finished``), sorted by cell id; all scored on the
+  same held-out sets (``check_eval_sets``)."""
+  rows = sorted(store.rows(pathlib.Path(out)), key=lambda r: r["id"])
   check_eval_sets(rows)
   return rows
 
@@ -161,7 +153,7 @@ class Condition:
   test: dict  # seed -> test loss at the best lr
   val: dict
   passes: Optional[float]
-  dirs: dict  # seed -> cell folder at the best lr
+  curves: dict  # seed -> {curve name: {step: value}} at the best lr
 
 
 def analyse(st, rows: list[dict]) -> list[Condition]:
@@ -173,7 +165,7 @@ def analyse(st, rows: list[dict]) -> list[Condition]:
     out.append(Condition(cond[0], cond[1], lr, {r["seed"]: r["test_loss"] for r in sel},
                          {r["seed"]: r["val_loss"] for r in sel},
                          sel[0]["gradient_passes"] if sel else None,
-                         {r["seed"]: r["dir"] for r in sel}))
+                         {r["seed"]: r["curves"] for r in sel}))
   return out
 
 
@@ -298,19 +290,6 @@ def summary_md(st, rows: list[dict], conds: list[Condition], planned: set[str]) 
   return "\n".join(lines)
 
 
-def _read_curve(d: str, key: str) -> dict:
-  p = pathlib.Path(d) / "metrics.jsonl"
-  if not p.is_file():
-    return {}
-  out = {}
-  for line in p.read_text().splitlines():
-    if line.strip():
-      r = json.loads(line)
-      if r.get(key) is not None:
-        out[r["step"]] = r[key]
-  return out
-
-
 def plot(st, rows: list[dict], conds: list[Condition], out: pathlib.Path) -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -322,10 +301,10 @@ def plot(st, rows: list[dict], conds: list[Condition], out: pathlib.Path) -> Non
   fig, axes = plt.subplots(1, len(grids), figsize=(w, 3.8), squeeze=False)
   for ax, g in zip(axes[0], grids):
     for c in conds:
-      if c.grid != g or not c.dirs:
+      if c.grid != g or not c.curves:
         continue
       for key, ls, lab in (("loss", "-", "train"), ("eval_loss", "--", "val")):
-        curves = [_read_curve(d, key) for d in c.dirs.values()]
+        curves = [cv[key] for cv in c.curves.values()]
         steps = sorted(set.intersection(*(set(cv) for cv in curves))) if curves else []
         if not steps:
           continue

@@ -3,19 +3,22 @@
 Folder layout (``--out DIR``)::
 
   DIR/study.yaml                 the study as run (after --set)
-  DIR/cells/<arm>/<k=v,...,lr=..,seed=..>/
+  DIR/cells.jsonl                one line per finished cell: key, config, result, summary,
+                                 loss curves (``scaleopt.study.store``)
+  DIR/results.csv DIR/summary.md DIR/curves.png DIR/lr.png   the report, rebuilt from it
+  DIR/cells/<arm>/<k=v,...,lr=..,seed=..>/     a cell while it trains:
       cell.json                  the cell and its config fingerprint (checked on every run)
-      config.yaml metrics.jsonl summary.json checkpoints/ [loss.png]   (a training run)
-      result.json                written last: the cell is finished (its checkpoints are then
-                                 deleted unless engine.keep_checkpoints)
-  DIR/results.csv DIR/summary.md DIR/curves.png DIR/lr.png
+      config.yaml metrics.jsonl summary.json checkpoints/   (a training run)
+      result.json                written last: the cell is finished; the folder then goes into
+                                 cells.jsonl and is deleted (kept with engine.keep_checkpoints)
   DIR/at_once/<group>            cells of a compile group that fit at once (after an OOM)
 
-A cell with ``result.json`` is skipped; one with checkpoints resumes from the latest. Cells of
+A cell in ``cells.jsonl`` is skipped; one with checkpoints resumes from the latest. Cells of
 one condition (arm x grid point) always go to the same ``--shard i/n`` (condition k -> shard
 k mod n), so the extra seeds at the best learning rate are known where the search ran; folders
-from different machines merge by copying ``cells/`` trees, and a rerun (or ``--report-only``)
-rebuilds the report from every finished cell present. A vmapped unit that runs out of device
+from different machines merge by concatenating their ``cells.jsonl`` (a cell listed twice
+counts once), and a rerun (or ``--report-only``) rebuilds the report from every finished
+cell present. A vmapped unit that runs out of device
 memory is split in halves (and the group's limit kept in ``DIR/at_once``), down to one cell.
 
 Several workers on one machine (one per GPU) share one ``--out`` with ``--claim TOKEN``: each
@@ -33,7 +36,6 @@ import json
 import math
 import os
 import pathlib
-import shutil
 import signal
 import sys
 import threading
@@ -43,7 +45,7 @@ from typing import Optional
 import yaml
 
 from scaleopt.study import config as study_config
-from scaleopt.study import report
+from scaleopt.study import report, store
 from scaleopt.study.config import Cell, ConfigError, Study
 
 EXIT_OK, EXIT_CONFIG, EXIT_SIGNAL = 0, 2, 143
@@ -192,7 +194,7 @@ class _Stop:
 
 
 def run_unit(st: Study, cells: list[Cell], out: pathlib.Path, stop: _Stop) -> list[str]:
-  """Trains one unit; writes ``result.json`` for every finished cell; returns the statuses."""
+  """Trains one unit; records every finished cell in ``cells.jsonl``; returns the statuses."""
   from scaleopt.study import engines
   dirs = [cell_dir(out, c) for c in cells]
   for c, d in zip(cells, dirs):
@@ -220,12 +222,13 @@ def run_unit(st: Study, cells: list[Cell], out: pathlib.Path, stop: _Stop) -> li
     res = [{"status": "interrupted"} if stop() else
            engines.run_loop(cfg, d, latest_checkpoint(d) is not None)
            for cfg, d in zip(cfgs, dirs)]
+  finished = []
   for c, d, r in zip(cells, dirs, res):
     if r["status"] != "interrupted":
       write_result(d, {"id": c.id, "arm": c.arm, **dict(c.grid), "lr": c.lr, "seed": c.seed,
                        "stage": c.stage, **r})
-      if not st.keep_checkpoints:
-        shutil.rmtree(d / "checkpoints", ignore_errors=True)
+      finished.append(d)
+  store.absorb(out, finished, remove=not st.keep_checkpoints)
   print(f"[study {st.name}] {len(cells)} cell(s) in {time.time() - t0:.0f} s: "
         + ", ".join(f"{c.id} {r['status']} val {r.get('val_loss', math.nan):.4f}"
                     for c, r in zip(cells, res)), flush=True)
@@ -294,6 +297,7 @@ def run_study(st: Study, out: pathlib.Path, *, cells: Optional[list[str]] = None
   claims = _Claims(st, out, claim) if claim is not None else None
   if claims is None or not (out / "study.yaml").is_file():
     (out / "study.yaml").write_text(yaml.safe_dump(st.raw, sort_keys=False))
+  store.absorb(out)  # finished folders the store lacks (kept in place)
   ran, stopped = 0, None
   with _Stop(max_minutes) as stop:
     while train:

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from scaleopt import cli
+from scaleopt.study import convert
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -123,7 +124,7 @@ def test_report_errors_are_one_line(tmp_path, capsys):
 
 
 def _fake_study(root, truth, floor, widths, rng):
-  """A study folder of result.json + config.yaml files with L = floor + c N^-alpha (x noise)
+  """A study folder of result.json + cell.json files with L = floor + c N^-alpha (x noise)
   at the better of two lrs; N from the closed form of a 4-layer model."""
   n_of = {}
   for arm, (alpha, c) in truth.items():
@@ -139,9 +140,11 @@ def _fake_study(root, truth, floor, widths, rng):
               {"id": f"{arm}+{d}/lr={lr:g},seed={seed}", "arm": f"{arm}+{d}", "lr": lr,
                "seed": seed, "stage": 1, "status": "ok", "val_loss": loss * 1.01,
                "test_loss": loss, "tokens": 1000, "card": "fake"}))
-          (cell / "config.yaml").write_text(yaml.safe_dump({"model": {
-              "preset": "tiny", "n_layers": 4, "d_model": d, "n_heads": h, "n_kv_heads": h,
-              "d_ff": d_ff}}))
+          model = {"preset": "tiny", "n_layers": 4, "d_model": d, "n_heads": h,
+                   "n_kv_heads": h, "d_ff": d_ff}
+          (cell / "cell.json").write_text(json.dumps(  # as the runner writes it
+              {"id": f"{arm}+{d}/lr={lr:g},seed={seed}", "config": {
+                  f"model.{k}": v for k, v in model.items()}}))
   return n_of
 
 
@@ -151,6 +154,8 @@ def test_report_on_a_known_power_law_with_a_floor(tmp_path):
             "shampoo": (64,)}
   n_of = _fake_study(tmp_path / "s", {**truth, "shampoo": (0.3, 30.0)}, 0.9, widths,
                      np.random.default_rng(0))
+  assert convert.main([str(tmp_path / "s"), "--remove"]) == 0  # read from cells.jsonl
+  assert not (tmp_path / "s" / "cells").exists()
   res = lm_alpha_report.report(tmp_path / "s", tmp_path / "out", bootstrap=300)
   assert {int(r["d_model"]): int(r["N"]) for r in _csv(tmp_path / "out" / "losses.csv")} == n_of
   assert res["pool"]["floor"] == pytest.approx(0.9, abs=0.03)

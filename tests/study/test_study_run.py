@@ -2,7 +2,6 @@
 ordinary training run of one of its cells."""
 
 import csv
-import json
 import os
 import pathlib
 import resource
@@ -13,7 +12,7 @@ import time
 import pytest
 
 from scaleopt import cli
-from scaleopt.study import runner
+from scaleopt.study import runner, store
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BC_TINY = str(ROOT / "configs" / "studies" / "bc_tiny.yaml")
@@ -57,7 +56,9 @@ def test_bc_tiny_study(tmp_path, capsys, monkeypatch):
   assert _cpu_s() - c0 < 120
   rows = _rows(out)
   assert len(rows) == 8
-  assert not list((out / "cells").glob("*/*/checkpoints"))  # deleted once a cell is finished
+  # a finished cell's folder (checkpoints included) is folded into cells.jsonl and deleted
+  assert not (out / "cells").exists()
+  assert sorted(r["cell"]["id"] for r in store.read(out)) == sorted(rows)
   for r in rows.values():
     assert r["status"] == "ok" and int(r["steps"]) == 30 and r["card"]
     assert float(r["val_loss"]) < 5.0 and float(r["test_loss"]) < 5.0  # below ln 256 = 5.55
@@ -72,7 +73,7 @@ def test_bc_tiny_study(tmp_path, capsys, monkeypatch):
   for png in ("curves.png", "lr.png"):
     assert (out / png).stat().st_size > 5000
 
-  # Finished cells are skipped; the report is rebuilt from the folders.
+  # Finished cells are skipped; the report is rebuilt from cells.jsonl.
   (out / "results.csv").unlink()
   assert cli.main(["study", "--config", BC_TINY, "--out", str(out)]) == 0
   assert "0 cell(s) trained now, 0 left" in capsys.readouterr().out
@@ -99,7 +100,8 @@ def test_bc_tiny_study(tmp_path, capsys, monkeypatch):
   assert want["engine"] == "loop" and rows[CELL]["engine"] == "vmap"
   for k in ("val_loss", "test_loss", "train_loss"):
     assert float(rows[CELL][k]) == pytest.approx(float(want[k]), rel=1e-4), k
-  assert json.loads((ref / "cells" / CELL / "summary.json").read_text())["resumed_from"] >= 1
+  (rec,) = store.read(ref)
+  assert rec["summary"]["resumed_from"] >= 1 and not (ref / "cells").exists()
 
 
 def test_deadline_signals_only_the_training_loops_handler():
@@ -176,9 +178,9 @@ def test_study_workers_script_shares_one_folder(tmp_path):
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
   out = tmp_path / "bc_tiny"
-  done = sorted(p.parent.relative_to(out / "cells").as_posix()
-                for p in out.glob("cells/*/*/result.json"))
-  assert done == ["adamw/lr=0.003,seed=0", "adamw/lr=0.01,seed=0",
+  done = [r["cell"]["id"] for r in store.read(out)]
+  assert len(done) == 4  # no cell recorded twice
+  assert sorted(done) == ["adamw/lr=0.003,seed=0", "adamw/lr=0.01,seed=0",
                   "adamw_bc/lr=0.003,seed=0", "adamw_bc/lr=0.01,seed=0"]
   (token,) = (out / "claims").iterdir()  # one shared token
   assert token.name == "joint"
