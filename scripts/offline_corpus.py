@@ -128,6 +128,8 @@ def main(argv=None) -> int:
   ap.add_argument("--min-vocab", type=int, default=32000)
   a = ap.parse_args(argv)
   roots = [pathlib.Path(r).resolve() for r in a.roots] if a.roots else default_roots()
+  if a.work:
+    pathlib.Path(a.work).mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=a.work) as work:
     s = build(pathlib.Path(a.out), roots, a.vocab, a.bpe_sample_mb, a.val_fraction,
               a.shard_tokens, pathlib.Path(work))
