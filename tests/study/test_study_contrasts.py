@@ -98,12 +98,12 @@ def test_paper_study_runs_tiny_and_its_contrasts_match_scipy(corpus, tmp_path, c
 
 
 def test_contrast_intervals_over_seeds_match_scipy(corpus, tmp_path, capsys):
-  """Three seeds of two arms (one compile each on the vmap engine): the intervals and
-  verdicts of both orders, recomputed."""
+  """Two arms (one compile each on the vmap engine), seeds 0-2 and the arm's own seeds 0-1:
+  the intervals and verdicts of both orders, recomputed over the seeds both have."""
   out = tmp_path / "study"
   sets = TINY + [f"data.path={corpus}", "seeds=[0,1,2]", "engine.kind=vmap",
                  "engine.cells_at_once=3", "optimizer.schedule.warmup_steps=0",
-                 "arms.adamw_split.learning_rates=[3.0e-2]",
+                 "arms.adamw_split.learning_rates=[3.0e-2]", "arms.adamw_split.seeds=[0,1]",
                  "contrasts=[[adamw_split,adamw,split],[adamw,adamw_split,reverse]]"]
   st = SC.load(PAPER, sets)
   args = ["study", "--config", str(PAPER), "--out", str(out), "--cells", "adamw/*",
@@ -113,8 +113,31 @@ def test_contrast_intervals_over_seeds_match_scipy(corpus, tmp_path, capsys):
   assert cli.main(args) == 0
   capsys.readouterr()
   table = _check_table(out, st, {"adamw", "adamw_split"})
-  assert [r[2] for r in table] == ["3", "3"]
+  assert [r[2] for r in table] == ["2", "2"]
   assert {r[4] for r in table} == {"lower", "higher"}  # 3e-2 beats 6e-4 after 3 steps
+
+
+def test_paper_study_plan_follows_the_paper():
+  """The shipped study against the paper's numbers (notes 5.1, 6.1), not against itself."""
+  st = SC.load(PAPER, ["data.path=corpus"])
+  cells = st.search_cells()
+  assert len(cells) == 2 * 5 + 1 and st.arm_seeds("loo_base_sched") == [0]
+  cfg = {c.arm: st.cell_config(c) for c in cells}
+  for arm, c in cfg.items():
+    assert c.run.steps * c.data.batch_size * c.data.seq_len == 262_144_000
+    assert (c.data.batch_size, c.data.microbatches, c.optimizer["schedule"]["warmup_steps"]) == (
+        512, 64, 20)
+    assert c.run.eval_batches * c.data.batch_size * c.data.seq_len >= 2_000_000
+    o = c.optimizer
+    split = arm in ("adamw_split", "loo_paper", "loo", "cf_loo")
+    dense = 9e-4 if split else 6e-4
+    embed = dense * o["extra"].get("sparse_lr_ratio", 1.0)
+    assert math.isclose(o["learning_rate"], dense) and math.isclose(embed, 6e-4, rel_tol=1e-6)
+    assert o["schedule"]["min_lr_ratio"] == (0.2 if split else 0.0)
+    assert o["clip_norm"] == 1.0 and o["clip_numerator_only"] == (arm == "loo_paper")
+  assert [(a, b) for a, b, _ in st.contrasts] == [
+      ("loo_paper", "adamw"), ("adamw_split", "adamw"), ("cf_loo", "adamw_split"),
+      ("loo", "cf_loo"), ("loo_paper", "loo")]
 
 
 @pytest.mark.parametrize("contrasts,key", [
