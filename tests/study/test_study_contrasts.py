@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import pathlib
+import re
 import shutil
 
 import numpy as np
@@ -133,14 +134,9 @@ def test_paper_study_plan_follows_the_paper():
 ])
 def test_bad_contrast_is_a_one_line_config_error(tmp_path, capsys, contrasts, key):
   sets = ["data.path=x", f"contrasts={contrasts}"]
-  with pytest.raises(ConfigError, match=re_escape(key)):
+  with pytest.raises(ConfigError, match=re.escape(key)):
     SC.load(PAPER, sets)
   rc = cli.main(["study", "--config", str(PAPER), "--out", str(tmp_path / "o"), "--list",
                  "--set", sets[0], "--set", sets[1]])
   err = capsys.readouterr().err.strip().splitlines()
   assert rc == 2 and len(err) == 1 and key in err[0], err
-
-
-def re_escape(s: str) -> str:
-  import re
-  return re.escape(s)
