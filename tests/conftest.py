@@ -8,7 +8,8 @@ FIRST = ("train/test_shampoo_blocks.py", "train/test_device_microbatches.py",
          "optim/test_shipped_configs.py", "scaling/test_sweep.py", "train/test_phased.py",
          "train/test_shard_optimizer.py", "train/test_offload.py",
          "optim/test_shampoo_sharded.py", "scaling/test_lm_alpha_study.py",
-         "train/test_multiprocess.py", "train/test_telemetry.py")
+         "train/test_multiprocess.py", "train/test_telemetry.py",
+         "study/test_study_contrasts.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

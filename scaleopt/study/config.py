@@ -9,6 +9,7 @@ A study file (``configs/studies/<name>.yaml``)::
     adamw: {}
     adamw_bc: {optimizer.name: adamw_bc, optimizer.extra: {mode: full, crossfit: loo},
                learning_rates: [1.0e-3, 3.0e-3],     # optional per-arm learning rates
+               seeds: [0],                           # optional per-arm search seeds
                baseline: adamw}                      # optional: the arm's own baseline
   baseline: adamw                 # the arm every other arm is compared with (paired over seeds)
   compute_baselines: []           # arms used for the equal-gradient-pass comparison
@@ -18,6 +19,8 @@ A study file (``configs/studies/<name>.yaml``)::
   grid: {}                        # any other dotted key -> values, crossed with everything
   engine: {kind: vmap, cells_at_once: 4,   # vmap: lr/seed cells share one compiled step
            keep_checkpoints: false}        # false: a finished cell's checkpoints are deleted
+  contrasts:                      # optional: [arm_a, arm_b, label] -> a - b, paired by seed
+    - [adamw_bc, adamw, "the correction"]
 
 A cell is one point (arm, grid values, learning rate, seed); its training config is
 ``base <- train <- arm overrides <- grid values <- optimizer.learning_rate, run.seed``, an
@@ -42,7 +45,7 @@ from scaleopt.config import apply_overrides as _apply_overrides
 from scaleopt.train import config as train_config
 
 TOP_KEYS = ("name", "description", "base", "train", "arms", "baseline", "compute_baselines",
-            "learning_rates", "seeds", "best_lr_seeds", "grid", "engine")
+            "learning_rates", "seeds", "best_lr_seeds", "grid", "engine", "contrasts")
 ENGINES = ("vmap", "loop")
 TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "mesh")
 LR_KEY, SEED_KEY = "optimizer.learning_rate", "run.seed"
@@ -96,6 +99,7 @@ class Study:
   cells_at_once: int
   keep_checkpoints: bool
   raw: dict
+  contrasts: list = dataclasses.field(default_factory=list)  # [(arm_a, arm_b, label)]
 
   def grid_points(self) -> list[tuple]:
     keys = list(self.grid)
@@ -104,14 +108,19 @@ class Study:
   def lrs(self, arm: str) -> list[float]:
     return self.arms[arm]["learning_rates"]
 
+  def arm_seeds(self, arm: str) -> list[int]:
+    """The search seeds of ``arm``: its own ``seeds`` if set, else the study's."""
+    return self.arms[arm].get("seeds") or self.seeds
+
   def search_cells(self) -> list[Cell]:
     """Stage 1: every arm x grid point x its learning rates x ``seeds``."""
     return [Cell(a, g, lr, s, 1) for a in self.arms for g in self.grid_points()
-            for lr in self.lrs(a) for s in self.seeds]
+            for lr in self.lrs(a) for s in self.arm_seeds(a)]
 
   def best_lr_cells(self, arm: str, grid: tuple, best_lr: float) -> list[Cell]:
     """Stage 2: the ``best_lr_seeds`` not already run at the best lr."""
-    return [Cell(arm, grid, best_lr, s, 2) for s in self.best_lr_seeds if s not in self.seeds]
+    return [Cell(arm, grid, best_lr, s, 2) for s in self.best_lr_seeds
+            if s not in self.arm_seeds(arm)]
 
   def cell_raw(self, cell: Cell) -> dict:
     """The raw training config of a cell (validate with ``train.config.from_dict``)."""
@@ -177,7 +186,7 @@ def _arm(name: str, spec: Any, lrs: Optional[list]) -> dict:
     raise ConfigError(f"study key 'arms.{name}' must be a mapping of dotted training keys")
   sets = {}
   for k, v in spec.items():
-    if k in ("learning_rates", "baseline"):
+    if k in ("learning_rates", "baseline", "seeds"):
       continue
     if "." not in k or k.split(".")[0] not in TRAIN_SECTIONS:
       raise ConfigError(f"study key 'arms.{name}.{k}' is not a dotted training key (e.g. "
@@ -189,7 +198,28 @@ def _arm(name: str, spec: Any, lrs: Optional[list]) -> dict:
   arm_lrs = _list(spec, "learning_rates", float) if "learning_rates" in spec else lrs
   if arm_lrs is None:
     raise ConfigError(f"study key 'learning_rates' is missing (and arm '{name}' has none)")
-  return {"set": sets, "learning_rates": arm_lrs, "baseline": spec.get("baseline")}
+  seeds = _list(spec, "seeds", int) if "seeds" in spec else None
+  return {"set": sets, "learning_rates": arm_lrs, "baseline": spec.get("baseline"),
+          "seeds": seeds}
+
+
+def _contrasts(raw: Any, arms: dict) -> list[tuple]:
+  """``contrasts``: a list of [arm_a, arm_b, label]; each arm must exist, a != b."""
+  if raw is None:
+    return []
+  if not isinstance(raw, list):
+    raise ConfigError("study key 'contrasts' must be a list of [arm_a, arm_b, label]")
+  out = []
+  for i, c in enumerate(raw):
+    if not isinstance(c, (list, tuple)) or len(c) != 3 or not all(isinstance(x, str) for x in c):
+      raise ConfigError(f"study key 'contrasts[{i}]'={c!r} must be [arm_a, arm_b, label]")
+    for a in c[:2]:
+      if a not in arms:
+        raise ConfigError(f"study key 'contrasts[{i}]': {a!r} is not an arm; arms: {list(arms)}")
+    if c[0] == c[1]:
+      raise ConfigError(f"study key 'contrasts[{i}]' compares arm {c[0]!r} with itself")
+    out.append(tuple(c))
+  return out
 
 
 def from_dict(raw: dict, path: Optional[pathlib.Path] = None) -> Study:
@@ -242,7 +272,8 @@ def from_dict(raw: dict, path: Optional[pathlib.Path] = None) -> Study:
       raise ConfigError(f"study key 'grid.{k}'={v!r}: values may use letters, digits, _ . + -")
   eng = parse(Engine, raw.get("engine"), "engine")
   st = Study(name, path, base, arms, baseline, list(cb), seeds, best, dict(grid), eng.kind,
-             eng.cells_at_once, eng.keep_checkpoints, raw)
+             eng.cells_at_once, eng.keep_checkpoints, raw,
+             _contrasts(raw.get("contrasts"), arms))
   cells = st.search_cells() + [c for a in arms for g in st.grid_points()
                                for c in st.best_lr_cells(a, g, st.lrs(a)[0])]
   built = set()

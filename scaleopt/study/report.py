@@ -121,7 +121,7 @@ def lr_table(st, rows: list[dict], cond: tuple) -> dict:
   out = {}
   for lr in st.lrs(cond[0]):
     vals = [r["val_loss"] for r in _cond_rows(st, rows, cond)
-            if math.isclose(r["lr"], lr, rel_tol=1e-9) and r["seed"] in st.seeds]
+            if math.isclose(r["lr"], lr, rel_tol=1e-9) and r["seed"] in st.arm_seeds(cond[0])]
     ok = [v for v in vals if _finite(v)]
     mean = float(np.mean(ok)) if ok and len(ok) == len(vals) else math.inf
     out[lr] = (mean, len(vals), len(vals) - len(ok))
@@ -140,7 +140,7 @@ def best_lr(st, rows: list[dict], cond: tuple) -> Optional[float]:
   """The lr with the lowest mean val loss once every search cell of ``cond`` is finished (an
   lr where any seed diverged counts as infinitely bad); None before."""
   tab = lr_table(st, rows, cond)
-  if any(n < len(st.seeds) for _, n, _ in tab.values()):
+  if any(n < len(st.arm_seeds(cond[0])) for _, n, _ in tab.values()):
     return None
   return min(tab, key=lambda lr: (tab[lr][0], lr))
 
@@ -211,6 +211,42 @@ def _own_baselines(st, conds: list[Condition], has_grid: bool) -> list[str]:
           "by seed):", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"] + out
 
 
+def contrast_rows(st, conds: list[Condition]) -> list[dict]:
+  """The study's ``contrasts``, one row per (contrast, grid point): arm_a - arm_b in ``test``
+  loss, paired by seed (``paired_interval``), each arm at its best lr (the fixed one when the
+  arm has a single learning rate)."""
+  by = {(c.arm, c.grid): c for c in conds}
+  rows = []
+  for a, b, label in st.contrasts:
+    for g in dict.fromkeys(c.grid for c in conds):
+      ca, cb = by[(a, g)], by[(b, g)]
+      ready = ca.best_lr is not None and cb.best_lr is not None
+      iv = paired_interval(ca.test, cb.test) if ready else None
+      rows.append({"a": a, "b": b, "label": label, "grid": g, "interval": iv,
+                   "verdict": verdict(iv) if ready else "-"})
+  return rows
+
+
+def contrast_lines(st, conds: list[Condition], has_grid: bool) -> list[str]:
+  """The ``contrasts`` table of summary.md (nothing when the study has none)."""
+  rows = contrast_rows(st, conds)
+  if not rows:
+    return []
+  head = ["contrast"] + (["grid"] if has_grid else []) + [
+      "isolates", "seeds", "diff a - b [95% CI]", "verdict"]
+  out = ["", "## Contrasts", "",
+         "Each row is arm a minus arm b in `test` loss, paired by seed (t-interval of the "
+         "per-seed differences over the seeds both finished); `lower`: a is better.", "",
+         "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+  for r in rows:
+    d = "unfinished" if r["interval"] is None else r["interval"].fmt(signed=True)
+    out.append("| " + " | ".join(
+        [f"{r['a']} - {r['b']}"] + ([_grid_str(r["grid"])] if has_grid else [])
+        + [r["label"], "-" if r["interval"] is None else str(r["interval"].n), d,
+           r["verdict"]]) + " |")
+  return out
+
+
 def _count_line(rows: list[dict], planned: set[str]) -> str:
   """'N of M planned cells finished', naming finished cells outside the current plan (extra seeds
   at a learning rate that was best before the grid changed): kept in results.csv, not used."""
@@ -265,6 +301,7 @@ def summary_md(st, rows: list[dict], conds: list[Condition], planned: set[str]) 
         lr, seeds, iv.fmt(), ratio, diff, ver, eq]
     lines.append("| " + " | ".join(cells) + " |")
   lines += _own_baselines(st, conds, has_grid)
+  lines += contrast_lines(st, conds, has_grid)
   if any(at_edge(st, c) for c in conds):
     lines += ["", "(grid edge): the best lr is the smallest or largest tried, so the grid may not "
               "bracket that arm's optimum; its numbers are an upper bound on its loss."]
@@ -277,7 +314,7 @@ def summary_md(st, rows: list[dict], conds: list[Condition], planned: set[str]) 
     tab = lr_table(st, rows, (c.arm, c.grid))
     cells = []
     for lr in all_lrs:
-      if lr not in tab or tab[lr][1] < len(st.seeds):
+      if lr not in tab or tab[lr][1] < len(st.arm_seeds(c.arm)):
         cells.append("-")
       else:
         v = f"{tab[lr][0]:.4f}"
