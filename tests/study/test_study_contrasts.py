@@ -23,7 +23,7 @@ PAPER = ROOT / "configs" / "studies" / "bc_paper_gpt2.yaml"
 TINY = ["model.preset=tiny", "model.dtype=float32", "model.vocab_size=256", "model.d_model=32",
         "model.n_layers=1", "model.d_ff=64", "model.max_seq_len=32", "data.seq_len=32",
         "data.batch_size=8", "data.microbatches=4", "run.steps=3", "run.eval_every=0",
-        "run.eval_batches=1", "run.checkpoint_every=0", "run.log_every=1",
+        "run.eval_tokens=256", "run.checkpoint_every=0", "run.log_every=1",
         "run.async_checkpoint=false", "optimizer.schedule.warmup_steps=1"]
 
 
@@ -113,7 +113,7 @@ def test_paper_study_plan_follows_the_paper():
     assert c.run.steps * c.data.batch_size * c.data.seq_len == 262_144_000
     assert (c.data.batch_size, c.data.microbatches, c.optimizer["schedule"]["warmup_steps"]) == (
         512, 64, 20)
-    assert c.run.eval_batches * c.data.batch_size * c.data.seq_len >= 2_000_000
+    assert c.run.eval_tokens >= 2_000_000
     o = c.optimizer
     split = arm in ("adamw_split", "loo_paper", "loo", "cf_loo")
     dense = 9e-4 if split else 6e-4
