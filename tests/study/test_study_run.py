@@ -34,6 +34,7 @@ def _logged(folder: pathlib.Path) -> bool:
   return any(p.stat().st_size > 0 for p in folder.glob("cells/*/*/metrics.jsonl"))
 
 
+@pytest.mark.integration
 def test_bc_tiny_study(tmp_path, capsys, monkeypatch):
   out = tmp_path / "study"
   c0 = _cpu_s()

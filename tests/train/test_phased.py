@@ -6,6 +6,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from scaleopt.optim import phases
 from scaleopt.train import checkpoint, config as C, loop, phased
@@ -27,6 +28,7 @@ def _train(tmp_path, host_phases):
   return out, summary, rows
 
 
+@pytest.mark.integration
 def test_host_programs_train_as_the_one_program(tmp_path):
   out_on, s_on, rows_on = _train(tmp_path, "on")
   out_off, s_off, rows_off = _train(tmp_path, "off")
