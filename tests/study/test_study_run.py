@@ -123,6 +123,7 @@ def test_deadline_signals_only_the_training_loops_handler():
   assert got == [signal.SIGTERM] and st.reason() == "deadline"
 
 
+@pytest.mark.integration
 def test_units_that_run_out_of_memory_are_split(tmp_path, monkeypatch, capsys):
   from scaleopt.study import engines
   real, sizes = engines.run_vmapped, []

@@ -107,6 +107,7 @@ def test_a_skip_before_a_root_step_adds_one_early():
   assert d.shifts == 1
 
 
+@pytest.mark.integration
 def test_programs_that_do_not_fit_side_by_side_fall_back_to_one(monkeypatch, capsys):
   raw = json.loads(json.dumps(RAW))
   raw["run"]["host_phases"] = "on"

@@ -130,6 +130,7 @@ def test_existing_run_needs_resume(reference_run, tmp_path, capsys):
   assert "--resume" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_nonfinite_steps_are_skipped_then_run_stops(tmp_path):
   raw = tiny_raw(run={"steps": 30, "max_consecutive_skips": 3, "checkpoint_every": 0})
   cfg = C.from_dict(raw)
