@@ -17,8 +17,8 @@ run: $(STAMP)
 	$(PY) -m scaleopt.cli run-default --out results
 
 # Three tiers, by pytest marker (pyproject.toml), each file run whole by one of two workers:
-#   test              every unit and contract test, one tiny run of each capability (under 8
-#                     min on 2 CPU cores, the time CI holds it to; see README)
+#   test              every unit and contract test, one tiny run of each capability (budget:
+#                     8 min on 2 CPU cores; measured times in the README)
 #   test-integration  `integration`: whole training runs, several processes, sharding on
 #                     simulated devices, kill loops (CI runs it after `test`)
 #   test-slow         `slow`: long studies and benchmarks-as-tests (by hand, not in CI)
