@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow test-min bench clean
+.PHONY: run test test-integration test-slow test-min bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,9 +16,17 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m scaleopt.cli run-default --out results
 
-# Fast suite (< 15 min on 2 CPU cores). Slow studies are marked `slow` and excluded.
+# Three tiers, by pytest marker (pyproject.toml), each file run whole by one of two workers:
+#   test              every unit and contract test, one tiny run of each capability (budget:
+#                     8 min on 2 CPU cores; measured times in the README)
+#   test-integration  `integration`: whole training runs, several processes, sharding on
+#                     simulated devices, kill loops (CI runs it after `test`)
+#   test-slow         `slow`: long studies and benchmarks-as-tests (by hand, not in CI)
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile
+	$(PY) -m pytest -q -m "not slow and not integration" -n 2 --dist loadfile
+
+test-integration: $(STAMP)
+	$(PY) -m pytest -q -m "integration and not slow" -n 2 --dist loadfile
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "e.g. tiny, tiny_adamw_bc, gpt2-small (configs/train/)")
   t.add_argument("--out", help="run directory (required unless --print-config)")
   t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                 help="dotted override, e.g. --set optimizer.lr=3e-4 (repeatable)")
+                 help="dotted override, e.g. --set optimizer.learning_rate=3e-4 (repeatable)")
   t.add_argument("--resume", action="store_true", help="continue from RUN_DIR's last checkpoint")
   t.add_argument("--print-config", action="store_true",
                  help="print the resolved config (file + overrides + defaults) and exit")

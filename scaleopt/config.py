@@ -11,7 +11,8 @@ folder first, then from the top::
   scaleopt sweep --config small  (or sweeps/small)   -> configs/sweeps/small.yaml
   scaleopt study --config bc_tiny (or studies/bc_tiny) -> configs/studies/bc_tiny.yaml
 
-An existing file always wins over a name.
+An existing file always wins over a name; a repository path such as
+``configs/train/qwen2.5-0.5b.yaml`` also names the shipped file from any folder.
 
 **Errors.** Every bad file, key or value raises ``ConfigError`` with one line that names the
 dotted key, the value and what is allowed (the CLI prints it and exits with code 2).
@@ -74,7 +75,9 @@ def shipped_names(kind: str | None = None) -> list[str]:
 
 def resolve_config(name_or_path: str | pathlib.Path, kind: str) -> pathlib.Path:
   """The file for ``--config``: an existing path as given, else a shipped config's name (with
-  or without ``.yaml``) in ``kind``'s folder (train, sweep, study), else from the top."""
+  or without ``.yaml``) in ``kind``'s folder (train, sweep, study), else from the top. A
+  repository path (``configs/train/tiny.yaml``) that does not exist from the current folder
+  names the shipped file it points to."""
   p = pathlib.Path(name_or_path)
   if p.is_file():
     return p
@@ -82,6 +85,9 @@ def resolve_config(name_or_path: str | pathlib.Path, kind: str) -> pathlib.Path:
   if not name or name.startswith(("/", ".")) or ".." in pathlib.PurePath(name).parts:
     raise ConfigError(f"config file {str(name_or_path)!r} does not exist")
   root = configs_dir()
+  parts = pathlib.PurePath(name).parts
+  if len(parts) > 1 and parts[0] == "configs":  # the repository path, typed in another folder
+    name = str(pathlib.PurePath(*parts[1:]))
   for cand in (root / KIND_DIRS[kind] / f"{name}.yaml", root / f"{name}.yaml"):
     if cand.is_file():
       return cand

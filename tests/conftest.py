@@ -1,15 +1,19 @@
 """Suite-wide pytest settings."""
 
-# ``make test`` runs two workers, each taking whole files in collection order. These files take
-# longest on CPU (each a minute or more); they are handed out first, so that the two workers
-# finish together instead of one waiting for the other's last long file.
-FIRST = ("train/test_shampoo_blocks.py", "train/test_device_microbatches.py",
-         "train/test_train.py", "study/test_study_run.py", "optim/test_shampoo_multidevice.py",
-         "optim/test_shipped_configs.py", "scaling/test_sweep.py", "train/test_phased.py",
-         "train/test_shard_optimizer.py", "train/test_offload.py",
-         "optim/test_shampoo_sharded.py", "scaling/test_lm_alpha_study.py",
-         "train/test_multiprocess.py", "train/test_telemetry.py",
-         "study/test_study_contrasts.py")
+# ``make test`` and ``make test-integration`` each run two workers, each taking whole files in
+# collection order. These files take longest on CPU in their tier (integration first, then the
+# fast tier's); they are handed out first, so that the two workers finish together instead of
+# one waiting for the other's last long file.
+FIRST = ("train/test_shampoo_blocks.py", "train/test_train.py", "optim/test_shipped_configs.py",
+         "train/test_device_microbatches.py", "study/test_study_run.py",
+         "optim/test_shampoo_multidevice.py", "train/test_telemetry.py", "train/test_phased.py",
+         "train/test_shard_optimizer.py", "study/test_study_vmapped.py",
+         "scaling/test_lm_alpha_study.py", "optim/test_shampoo_sharded.py",
+         "train/test_kill_loop.py", "train/test_multiprocess.py",
+         "models/test_models_moe.py", "models/test_models_fold.py",
+         "models/test_models_variants.py", "optim/test_mu_dtype.py", "models/test_models_norm.py",
+         "scaling/test_sweep.py", "optim/test_sophia.py", "optim/test_shampoo.py",
+         "study/test_study_contrasts.py", "train/test_prepare.py", "train/test_storage.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

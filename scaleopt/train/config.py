@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import sys
 import time
 import typing
 from typing import Any, Literal, Optional
@@ -119,8 +120,8 @@ def _check_optimizer(opt: Any, steps: int) -> dict:
   kw = {k: convert(v, hints[k], f"optimizer.{k}") for k, v in opt.items()
         if k not in ("schedule", "extra")}
   sched = opt.get("schedule")
-  sched = {**(sched or {}), "total_steps": (sched or {}).get("total_steps", steps)} if (
-      sched is None or isinstance(sched, dict)) else sched
+  if sched is None or (isinstance(sched, dict) and "total_steps" not in sched):
+    sched = _fit_warmup({**(sched or {}), "total_steps": steps})
   kw["extra"] = convert(opt.get("extra") or {}, dict, "optimizer.extra")
   try:
     kw["schedule"] = parse(ScheduleConfig, sched, "optimizer.schedule")
@@ -129,6 +130,28 @@ def _check_optimizer(opt: Any, steps: int) -> dict:
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config section 'optimizer': {e}") from None
   return to_dict(cfg)
+
+
+def _fit_warmup(sched: dict) -> dict:
+  """A schedule whose ``total_steps`` is ``run.steps`` (none set) with ``warmup_steps``
+  shortened to what the run has room for, with a one-line notice: a short smoke run
+  (``--set run.steps=10``) of a config written for hundreds of steps then trains instead of
+  being refused. A ``total_steps`` the config sets itself is never changed (there a too-long
+  warmup is an error naming both keys)."""
+  from scaleopt.optim.schedules import ScheduleConfig
+  w, total = sched.get("warmup_steps", 0), sched["total_steps"]
+  kind = sched.get("kind", ScheduleConfig.kind)
+  frac = sched.get("decay_fraction", ScheduleConfig.decay_fraction)
+  if (kind == "constant" or not isinstance(w, int) or isinstance(w, bool)
+      or not isinstance(total, int) or not isinstance(frac, (int, float))):
+    return sched  # nothing to fit, or a bad value that parse() names
+  room = total - (int(round(frac * total)) if kind == "wsd" else 0)
+  if w <= max(room, 0):
+    return sched
+  fit = max(room, 0)
+  print(f"note: optimizer.schedule.warmup_steps={w} does not fit run.steps={total}; warming "
+        f"up over {fit} steps (set optimizer.schedule.warmup_steps to choose)", file=sys.stderr)
+  return {**sched, "warmup_steps": fit}
 
 
 @dataclasses.dataclass

@@ -723,6 +723,21 @@ def _stepper(s: Setup, fns: Compiled, state, step0: int):
   return phased_lib.Dispatcher(fns.phased, step0, count0)
 
 
+def log_line(row: dict, steps: int) -> str:
+  """One plain progress line for a metrics row (the terminal form when ``run.progress`` is
+  off), e.g. ``step 20/300 loss 4.1234 eval 4.2000 lr 3.00e-03 tok/s 12,345``."""
+  parts = [f"step {row['step']}/{steps}", f"loss {row['loss']:.4f}"]
+  if "eval_loss" in row:
+    parts.append(f"eval {row['eval_loss']:.4f}")
+  if "lr" in row:
+    parts.append(f"lr {row['lr']:.2e}")
+  if row.get("tokens_per_s") == row.get("tokens_per_s"):  # not NaN (the first interval)
+    parts.append(f"tok/s {row['tokens_per_s']:,.0f}")
+  if row.get("skipped"):
+    parts.append(f"skipped {row['skipped']}")
+  return " ".join(parts)
+
+
 def _run(cfg, s, state, step, feed, step0, log, meter, prof, save, evaluate, is_main,
          sig) -> _Outcome:
   """The host loop from ``step0`` to ``run.steps`` (or a stop) over ``feed``'s device
@@ -781,6 +796,8 @@ def _run(cfg, s, state, step, feed, step0, log, meter, prof, save, evaluate, is_
       if bar is not None:
         bar.set_postfix(loss=f"{row['loss']:.3f}",
                         **({"eval": f"{res.eval_loss:.3f}"} if is_eval else {}))
+      elif is_main:  # no bar (run.progress=false, batch jobs): one line per log
+        print(log_line(row, r.steps), flush=True)
       if row["consec"] >= r.max_consecutive_skips:
         res.stopped = done
     if bar is not None:

@@ -109,6 +109,7 @@ def test_unconvertible_inputs_are_one_line_errors(tmp_path, capsys):
     hf.config_to_hf(models.get_preset("tiny-moe"))
 
 
+@pytest.mark.integration
 def test_fine_tune_from_hf_weights_with_adamw_bc_then_export(tmp_path, capsys):
   shards = tmp_path / "shards"
   shards.mkdir()

@@ -200,6 +200,7 @@ print("RESULT " + json.dumps(res))
 """
 
 
+@pytest.mark.integration
 def test_kernel_under_meshes():
   """On 4 simulated devices: the kernel per device on its rows (data x fsdp, and microbatches
   vmapped over the data axis) gives XLA's masked loss and gradients in h and W without

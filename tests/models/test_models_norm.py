@@ -182,6 +182,7 @@ print("RESULT " + json.dumps(res))
 """
 
 
+@pytest.mark.integration
 def test_kernels_under_meshes():
   """On 4 simulated devices: the kernels per device on their rows (data x fsdp, microbatches
   vmapped over the data axis, data x tensor) give XLA's values and cotangents without any

@@ -18,6 +18,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 SCRIPT = textwrap.dedent(r"""
   import json, sys
   import jax, jax.numpy as jnp, numpy as np, optax

@@ -17,6 +17,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 SCRIPT = textwrap.dedent(r"""
   import json, re
   import jax, jax.numpy as jnp, numpy as np, optax

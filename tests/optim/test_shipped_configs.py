@@ -25,6 +25,8 @@ from scaleopt.train import step as step_lib
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "train"))
 from train_helpers import val_unigram_entropy  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS, SEQ, BATCH, M = 200, 32, 16, 2
 # one layer of width 128: wide enough that the large-model learning rates (6e-4) reach the

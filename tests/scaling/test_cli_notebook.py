@@ -76,6 +76,7 @@ def test_sweep_main_invalid_value_is_one_line(tmp_path, capsys):
   assert rc == 2 and err == ["error: problem.seeds = 2.7: expected an integer"]
 
 
+@pytest.mark.integration
 def test_notebook_executes_on_small_preset():
   nbformat = pytest.importorskip("nbformat")
   nbclient = pytest.importorskip("nbclient")

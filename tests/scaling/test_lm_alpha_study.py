@@ -47,6 +47,7 @@ def micro(tmp_path_factory):
   return study, out
 
 
+@pytest.mark.integration
 def test_micro_study_report_matches_independent_references(micro):
   study, out = micro
   for f in ("alpha.md", "alpha.csv", "losses.csv", "results.csv", "diag.csv", "lm_alpha.png"):

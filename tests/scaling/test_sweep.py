@@ -141,6 +141,7 @@ def test_transfer_policy_uses_one_lr_for_every_n(tiny_result):
     assert len(lrs) == 1
 
 
+@pytest.mark.integration
 def test_sweep_split_across_two_devices_matches_one(tmp_path):
   """compute.devices=2 shards each chunk over 2 (forced host) devices; same numbers."""
   import subprocess

@@ -33,6 +33,7 @@ def _logged(folder: pathlib.Path) -> bool:
   return any(p.stat().st_size > 0 for p in folder.glob("cells/*/*/metrics.jsonl"))
 
 
+@pytest.mark.integration
 def test_bc_tiny_study(tmp_path, capsys, monkeypatch):
   out = tmp_path / "study"
   c0 = _cpu_s()
@@ -124,6 +125,7 @@ def test_deadline_signals_only_the_training_loops_handler():
   assert got == [signal.SIGTERM] and st.reason() == "deadline"
 
 
+@pytest.mark.integration
 def test_units_that_run_out_of_memory_are_split(tmp_path, monkeypatch, capsys):
   from scaleopt.study import engines
   real, sizes = engines.run_vmapped, []

@@ -37,6 +37,7 @@ def _params(d, cfg):
   return state.params
 
 
+@pytest.mark.integration
 def test_vmapped_cells_equal_ordinary_runs_and_share_one_compile(tmp_path):
   cfgs = [_cfg(3e-3, 0), _cfg(1e-2, 1)]
   dirs = [tmp_path / "v0", tmp_path / "v1"]

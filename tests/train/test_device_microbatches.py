@@ -24,6 +24,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""

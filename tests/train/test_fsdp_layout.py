@@ -14,6 +14,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
@@ -63,6 +65,7 @@ print(json.dumps(res))
 """
 
 
+@pytest.mark.integration
 def test_fsdp_reduces_gradients_not_activations():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)

@@ -14,6 +14,8 @@ from scaleopt.train import checkpoint, config as C, loop, metrics
 
 from train_helpers import reference_run, run_until, tiny_raw
 
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 24
 # Asynchronous checkpoints every 2 steps: kills land before, during and after saves.

@@ -181,6 +181,7 @@ def _setup(tmp):
   return cfg, tmp / "run", n_train
 
 
+@pytest.mark.integration
 def test_two_processes_match_one_preempt_together_and_resume(tmp_path, monkeypatch):
   cfg, run, n_train = _setup(tmp_path)
   # SIGTERM (preemption) to process 1 only: both stop after the same step and checkpoint.

@@ -6,6 +6,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from scaleopt.optim import phases
 from scaleopt.train import checkpoint, config as C, loop, phased
@@ -27,6 +28,7 @@ def _train(tmp_path, host_phases):
   return out, summary, rows
 
 
+@pytest.mark.integration
 def test_host_programs_train_as_the_one_program(tmp_path):
   out_on, s_on, rows_on = _train(tmp_path, "on")
   out_off, s_off, rows_off = _train(tmp_path, "off")
@@ -105,6 +107,7 @@ def test_a_skip_before_a_root_step_adds_one_early():
   assert d.shifts == 1
 
 
+@pytest.mark.integration
 def test_programs_that_do_not_fit_side_by_side_fall_back_to_one(monkeypatch, capsys):
   raw = json.loads(json.dumps(RAW))
   raw["run"]["host_phases"] = "on"

@@ -25,6 +25,8 @@ import yaml
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from train_helpers import tiny_raw  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""

@@ -25,6 +25,8 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 from scaleopt import optim
 from scaleopt.train.mesh import _with_data
 
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 N = 8
 

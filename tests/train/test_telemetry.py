@@ -50,6 +50,7 @@ def _stats_and_update(opt_section, seed=0):
   return tx, state, params, stats, updates
 
 
+@pytest.mark.integration
 def test_bc_plugin_is_adam_and_clamped_coordinates_are_zero_updates():
   """mode=inv on one group: the plug-in (no variance correction) is Adam on the same mean
   gradient, so optax.adam is an independent reference for u0; without weight decay a clamped
@@ -96,6 +97,7 @@ def test_plain_adamw_has_norms_only():
   assert out and all(k.split("/")[0] in T.NORMS for k in out)
 
 
+@pytest.mark.integration
 def test_run_writes_telemetry_every_n_steps_to_jsonl_and_tensorboard(tmp_path):
   raw = tiny_raw(run={"steps": 4, "log_every": 1, "telemetry_every": 2, "eval_every": 0,
                       "checkpoint_every": 0, "async_checkpoint": False},

@@ -23,6 +23,7 @@ from train_helpers import run_until, tiny_raw, val_unigram_entropy
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.integration
 def test_tiny_run_beats_unigram_entropy(tmp_path):
   raw = tiny_raw(run={"steps": 120, "log_every": 20, "eval_every": 60, "eval_tokens": 4096,
                       "checkpoint_every": 0, "plot": True},
@@ -69,6 +70,7 @@ def reference_run(tmp_path_factory):
   return cfg_path, out / "run"
 
 
+@pytest.mark.integration
 def test_resume_is_bitwise_equal(reference_run, tmp_path):
   cfg_path, ref = reference_run
   run = tmp_path / "run"
@@ -92,6 +94,7 @@ def _run_until(cmd, env, run, step, sig):
   return rc, sent_at
 
 
+@pytest.mark.integration
 def test_sigterm_then_sigkill_then_resume(reference_run, tmp_path):
   # Synchronous saves make "at most one interval" strict; an async save still in flight when
   # the process dies is lost as well (docs/training.md).
@@ -117,6 +120,7 @@ def test_sigterm_then_sigkill_then_resume(reference_run, tmp_path):
   assert _strip(_rows(run)) == _strip(_rows(ref))  # and then it matches, bit for bit
 
 
+@pytest.mark.integration
 def test_existing_run_needs_resume(reference_run, tmp_path, capsys):
   from scaleopt.train.main import train_main
   cfg_path, ref = reference_run
@@ -126,6 +130,7 @@ def test_existing_run_needs_resume(reference_run, tmp_path, capsys):
   assert "--resume" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_nonfinite_steps_are_skipped_then_run_stops(tmp_path):
   raw = tiny_raw(run={"steps": 30, "max_consecutive_skips": 3, "checkpoint_every": 0})
   cfg = C.from_dict(raw)
@@ -173,6 +178,7 @@ def test_shards_source_trains(tmp_path):
     loop.setup(C.from_dict(raw))
 
 
+@pytest.mark.integration
 def test_eval_loss_matches_direct_computation(reference_run):
   """The logged eval loss equals the cross-entropy of the final parameters on the documented
   evaluation windows (the first eval_tokens // seq_len of the permutation of seed
@@ -224,6 +230,7 @@ loop.train(cfg, sys.argv[2], s=s)
 """
 
 
+@pytest.mark.integration
 def test_second_signal_exits_even_if_a_step_hangs(tmp_path):
   raw = tiny_raw(run={"steps": 5, "checkpoint_every": 0})
   env = dict(os.environ, JAX_PLATFORMS="cpu")

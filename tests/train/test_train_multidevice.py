@@ -14,6 +14,8 @@ from scaleopt.train import loop, metrics
 
 from train_helpers import tiny_raw
 
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
