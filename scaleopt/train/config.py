@@ -27,6 +27,7 @@ import time
 import typing
 from typing import Any, Literal, Optional
 
+import jax
 import yaml
 
 from scaleopt.config import (ConfigError, apply_overrides as _apply_overrides, check_keys,
@@ -126,10 +127,16 @@ def _check_optimizer(opt: Any, steps: int) -> dict:
   try:
     kw["schedule"] = parse(ScheduleConfig, sched, "optimizer.schedule")
     cfg = optim.OptimizerConfig(**kw)
-    optim.build(cfg)
+    # the trainer passes its embedding filter (train/bridge.py); one that marks nothing
+    # stands in for it here (a filter routes tensors, it does not change what is valid)
+    optim.build(cfg, sparse_filter=_NO_SPARSE)
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config section 'optimizer': {e}") from None
   return to_dict(cfg)
+
+
+def _NO_SPARSE(params):
+  return jax.tree.map(lambda _: False, params)
 
 
 def _fit_warmup(sched: dict) -> dict:
