@@ -119,6 +119,7 @@ def test_bad_config_names_the_key(cfg, match):
 
 # One end-to-end run per optimizer through the trainer (one compile each; ~10-30 s on CPU):
 # the eval loss is the method's own (schedule-free's averaged point) on the validation files.
+@pytest.mark.integration  # a whole training run: make test-integration
 @pytest.mark.parametrize("name, lr", [("lion", 2e-3), ("adafactor", 5e-2),
                                       ("schedule_free_adamw", 1e-2), ("soap", 1e-2)])
 def test_trains_below_unigram_entropy(name, lr, tmp_path):

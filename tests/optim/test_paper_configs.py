@@ -58,6 +58,7 @@ def test_paper_config_ships_with_its_source_and_values(name):
   _sub(PAPER[name], opt)
 
 
+@pytest.mark.integration  # a whole training run: make test-integration
 @pytest.mark.parametrize("name", sorted(PAPER))
 def test_paper_config_trains_one_step(name):
   _, opt = _load(name)

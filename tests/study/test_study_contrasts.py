@@ -85,6 +85,7 @@ def _check_table(out: pathlib.Path, st, arms: set) -> list[list[str]]:
   return table
 
 
+@pytest.mark.integration  # a whole training run: make test-integration
 def test_paper_study_runs_tiny_and_its_contrasts_match_scipy(corpus, tmp_path, capsys):
   """Every arm, seeds 0 and 1 (arm 5: its own seed 0), each arm one compile (the vmap engine
   trains both seeds in one step); a sixth contrast puts the one-seed arm in the table."""
