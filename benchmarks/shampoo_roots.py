@@ -41,6 +41,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import optim_step_cost as osc  # noqa: E402
 from scaleopt.optim import build, collect  # noqa: E402
 from scaleopt.optim import shampoo_lib as S  # noqa: E402
+from scaleopt.optim.shampoo_lib import placement  # noqa: E402
 from scaleopt.train import data  # noqa: E402
 
 DEFAULT_SOLVERS = ("eigh,newton:highest:30,newton:BF16_BF16_F32_X3:30,newton:TF32_TF32_F32:30,"
@@ -115,7 +116,7 @@ def rel(a, b, axes=(-2, -1)):
 
 def measure(name, fn, fac, idx, ref, dsel, dref, repeats):
   """One table row: median time of the batched root step and the errors against float64."""
-  step = jax.jit(lambda fs: S._batched_by_size(fs, fn))  # as a root step batches them
+  step = jax.jit(lambda fs: placement._batched_by_size(fs, fn))  # as a root step batches them
   out = jax.block_until_ready(step(fac))
   times = []
   for _ in range(repeats):
@@ -123,7 +124,7 @@ def measure(name, fn, fac, idx, ref, dsel, dref, repeats):
     jax.block_until_ready(step(fac))
     times.append(time.perf_counter() - t0)
   err = np.concatenate([rel(np.asarray(out[s])[idx[s]], ref[s]) for s in fac])
-  root1 = jax.jit(lambda x: S._batched_by_size({0: x}, fn)[0])
+  root1 = jax.jit(lambda x: placement._batched_by_size({0: x}, fn)[0])
   derr = []
   for (mb, lf, rf), d_ref in zip(dsel, dref):
     pl, pr = np.asarray(root1(lf), np.float64), np.asarray(root1(rf), np.float64)

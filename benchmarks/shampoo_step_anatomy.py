@@ -19,7 +19,7 @@ process on N devices (on CPU N simulated host devices, on GPU the first N GPUs) 
   fusion) with their bytes.
 
 Every op is attributed by its source stack (the HLO's stack-frame table): ``shampoo step``
-(shampoo_lib.py outside the root computation: statistics, P_L M P_R, blocking, grafting),
+(shampoo_lib/ outside the root computation: statistics, P_L M P_R, blocking, grafting),
 ``shampoo roots`` (``_roots`` and the collector's factor pass: root steps only, inside
 ``lax.cond``), ``optimizer`` (other optimizer code: optax, AdamW, the collector),
 ``model`` (scaleopt/models), ``other`` (the step's plumbing and ops without a source, such
@@ -133,8 +133,8 @@ def part_of(rest: str, stacks: dict) -> str:
   m = re.search(r"stack_frame_id=(\d+)", rest)
   stack = stacks.get(int(m.group(1)), []) if m else []
   files = [f for f, _ in stack]
-  if any(f.endswith("shampoo_lib.py") for f in files):
-    if any(fn.split(".")[0] in ROOT_FUNCS for f, fn in stack if f.endswith("shampoo_lib.py")):
+  if any("/shampoo_lib/" in f for f in files):
+    if any(fn.split(".")[0] in ROOT_FUNCS for f, fn in stack if "/shampoo_lib/" in f):
       return "shampoo roots"
     return "shampoo step"
   if any("/optax/" in f or "/scaleopt/optim/" in f for f in files):

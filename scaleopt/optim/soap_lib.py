@@ -45,9 +45,10 @@ import optax
 from scaleopt.optim import phases
 from scaleopt.optim.collect import (BCStats, CollectorSpec, StateHooks, Static,
                                     register_bc_state)
-from scaleopt.optim.shampoo_lib import (PRECISIONS, _batched_by_size, _is_masked, _major_dims,
-                                        _on_owner, blocking, eigh_damped, from_blocks,
-                                        to_blocks)
+from scaleopt.optim.shampoo_lib import PRECISIONS, blocking, eigh_damped, from_blocks, to_blocks
+from scaleopt.optim.shampoo_lib.blocking import _major_dims
+from scaleopt.optim.shampoo_lib.placement import _batched_by_size, _on_owner
+from scaleopt.optim.shampoo_lib.state import _is_masked
 from scaleopt.optim.adam_bc import check_choice
 
 PyTree = Any

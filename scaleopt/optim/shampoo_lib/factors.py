@@ -1,0 +1,115 @@
+"""The factors' updates: statistics EMAs, roots on root steps, host offload of L and R."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from scaleopt.optim import phases
+from scaleopt.optim.collect import BCStats
+from scaleopt.optim.shampoo_lib.blocking import _gram, to_blocks
+from scaleopt.optim.shampoo_lib.options import resolve_root_method
+from scaleopt.optim.shampoo_lib.placement import (_batched_by_size, _on_owner, _to_device, _to_host,
+                                                  in_host_memory)
+from scaleopt.optim.shampoo_lib.roots import eigh_damped, newton_inverse_root, root_from_eig
+
+
+def _roots(f, keys, pre, *, root_method, damping, floor, newton_iters, newton_precision,
+           correction_scale, d_max, eigh_implementation):
+  """New P_L, P_R for every factor (batched over blocks and tensors of one size); with
+  ``pre.eig_L`` (two-pass form) the collector's corrected eigenvalues."""
+  if pre is not None and pre.eig_L is not None:
+    root = lambda eig, var: root_from_eig(*eig, var, correction_scale=correction_scale,
+                                          d_max=d_max)
+    pl = {k: root(pre.eig_L[k], pre.var_L[k]) for k in keys}
+    pr = {k: root(pre.eig_R[k], pre.var_R[k]) for k in keys}
+  else:
+    mats = {**{("L", k): f[k].L for k in keys}, **{("R", k): f[k].R for k in keys}}
+    if resolve_root_method(root_method, d_max=d_max,
+                           eigh_implementation=eigh_implementation) == "eigh":
+      fn = lambda x: root_from_eig(*eigh_damped(x, damping, floor, eigh_implementation),
+                                   d_max=d_max)
+    else:
+      fn = lambda x: newton_inverse_root(x, damping, 4, newton_iters, newton_precision)
+    out = _batched_by_size(mats, fn)
+    pl, pr = ({k: out[(s, k)] for k in keys} for s in ("L", "R"))
+  ok = lambda new, old: _on_owner(jnp.where(jnp.all(jnp.isfinite(new)), new, old))  # failed: keep
+  return {k: f[k]._replace(PL=ok(pl[k], f[k].PL), PR=ok(pr[k], f[k].PR)) for k in keys}
+
+
+def _ema_factors(f, keys, sl, sr, b2):
+  return {k: f[k]._replace(L=b2 * f[k].L + (1 - b2) * sl[k], R=b2 * f[k].R + (1 - b2) * sr[k])
+          for k in keys}
+
+
+def _statistics_io(offload: bool):
+  """(load, store) of the factors' statistics L, R. ``load(f)``: L, R in device memory.
+  ``store(new, old, f, step_ok)``: with ``offload``, the new L, R (the old ones, loaded, when
+  any new one is not finite or ``step_ok`` is false: the trainer's skip guard cannot roll back
+  host-resident state) back where ``f``'s were (host memory, unless the caller placed the
+  state on the device); without, the new factors as they are."""
+  def load(f):
+    return {k: v._replace(L=_to_device(v.L), R=_to_device(v.R)) for k, v in f.items()}
+
+  def store(new, old, f, step_ok):
+    if not offload or not new:
+      return new
+    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for v in new.values() for x in (v.L, v.R)]))
+    ok = ok & step_ok
+
+    def keep(n, o, where):
+      x = _on_owner(jnp.where(ok, n, o))
+      return _to_host(x) if in_host_memory(where) else x
+
+    return {k: v._replace(L=keep(v.L, old[k].L, f[k].L), R=keep(v.R, old[k].R, f[k].R))
+            for k, v in new.items()}
+
+  return load, store
+
+
+def _update_factors(f, g_l, blk, keys, count, pre, step_ok, *, mode, stats_every, root_every,
+                    b2, stats_precision, offload, root_kw):
+  """The factors after this step: std takes the statistics of the step's gradient every
+  ``stats_every`` steps and the roots every ``root_every`` steps (from the new statistics when
+  both fall on one step, on the same device copy); BC modes take B's statistics and the roots
+  on the collector's root steps. With ``offload`` L, R come to the device once per step that
+  uses them."""
+  if not keys:
+    return f
+  load, store = _statistics_io(offload)
+  roots = lambda d: _roots(d, keys, pre, **root_kw)
+  if mode != "std":
+    def refresh(f):
+      old = load(f)
+      new = roots(_ema_factors(old, keys, pre.stat_L, pre.stat_R, b2))
+      return store(new, old, f, step_ok)
+    return phases.cond(pre.root, refresh, lambda f: f, f)
+  is_root = phases.due(count, root_every)
+
+  def statistics(f):
+    gram = {k: _gram(_on_owner(to_blocks(g_l[int(k)], blk[k])), stats_precision) for k in keys}
+    old = load(f)
+    new = _ema_factors(old, keys, {k: v[0] for k, v in gram.items()},
+                       {k: v[1] for k, v in gram.items()}, b2)
+    return store(phases.cond(is_root, roots, lambda d: d, new), old, f, step_ok)
+
+  def roots_only(f):  # L, R read, not changed: they stay where they are kept
+    def run(f):
+      new = roots(load(f))
+      return {k: new[k]._replace(L=f[k].L, R=f[k].R) for k in keys}
+    return phases.cond(is_root, run, lambda f: f, f)
+
+  if stats_every == 1:
+    return statistics(f)
+  return phases.cond(phases.due(count, stats_every), statistics, roots_only, f)
+
+
+def _step_ok(bc_stats: Optional[BCStats]) -> jax.Array:
+  """False when ``bc_stats`` reports a non-finite loss or gradient: a step the trainer skips."""
+  if bc_stats is None:
+    return jnp.bool_(True)
+  ok = jnp.isfinite(bc_stats.loss)
+  return ok if bc_stats.full is None else ok & jnp.isfinite(optax.global_norm(bc_stats.full))
