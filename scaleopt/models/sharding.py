@@ -31,9 +31,9 @@ from typing import Iterator, Optional, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from scaleopt import mesh_context
+
 LOGICAL_TO_MESH = {"batch": ("data", "fsdp"), "fsdp": ("fsdp",), "tensor": ("tensor",)}
-_MESH: contextvars.ContextVar[Optional[Mesh]] = contextvars.ContextVar("scaleopt_mesh",
-                                                                       default=None)
 _FREED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("scaleopt_freed_axes",
                                                                          default=())
 
@@ -41,12 +41,10 @@ _FREED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("scaleo
 @contextlib.contextmanager
 def constraints(mesh: Optional[Mesh]) -> Iterator[None]:
   """Within this context (entered while tracing), the model constrains its activations and
-  kernels on ``mesh`` (axes named ``data``, ``fsdp``, ``tensor``; missing axes count as 1)."""
-  token = _MESH.set(mesh)
-  try:
+  kernels on ``mesh`` (axes named ``data``, ``fsdp``, ``tensor``; missing axes count as 1).
+  The mesh is held by ``scaleopt.mesh_context``, where the optimizer reads it too."""
+  with mesh_context.use(mesh):
     yield
-  finally:
-    _MESH.reset(token)
 
 
 @contextlib.contextmanager
@@ -62,7 +60,7 @@ def microbatch_axis(axis: str) -> Iterator[None]:
 
 
 def current_mesh() -> Optional[Mesh]:
-  return _MESH.get()
+  return mesh_context.current()
 
 
 def _axis_size(mesh: Mesh, axis: str) -> int:
@@ -91,7 +89,7 @@ def mesh_spec(mesh: Mesh, logical: Sequence[Optional[str]], shape: Sequence[int]
 
 def constrain(x: jax.Array, logical: Sequence[Optional[str]]) -> jax.Array:
   """``x`` with the sharding of its logical axes (identity outside :func:`constraints`)."""
-  mesh = _MESH.get()
+  mesh = mesh_context.current()
   if mesh is None:
     return x
   if len(logical) != x.ndim:
@@ -109,7 +107,7 @@ def use_kernel(w: jax.Array, logical: Sequence[Optional[str]]) -> jax.Array:
   so the per-device partial sums are reduce-scattered in the compute dtype (half the bytes of
   an all-reduce, and no full-size float32 gradient). Call it after the cast to bf16.
   """
-  mesh = _MESH.get()
+  mesh = mesh_context.current()
   if mesh is None:
     return w
   stored = NamedSharding(mesh, mesh_spec(mesh, logical, w.shape))
@@ -150,7 +148,7 @@ def on_rows(fn, *arrays: jax.Array):
     out = fn(*(x.reshape(-1, *x.shape[k:]) for x in xs))
     return jax.tree.map(lambda y: y.reshape(*rows, *y.shape[1:]), out)
 
-  mesh = _MESH.get()
+  mesh = mesh_context.current()
   if mesh is None:
     return local(*arrays)
   batch = mesh_spec(mesh, ("batch",), lead[:1])[0]
@@ -162,5 +160,5 @@ def on_rows(fn, *arrays: jax.Array):
 
 def tensor_parallel() -> bool:
   """True inside :func:`constraints` on a mesh whose ``tensor`` axis has size > 1."""
-  mesh = _MESH.get()
+  mesh = mesh_context.current()
   return mesh is not None and _axis_size(mesh, "tensor") > 1

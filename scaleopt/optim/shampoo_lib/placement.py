@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import math
-import sys
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from scaleopt import mesh_context
+
 
 def _mesh():
-  """The mesh the step is traced under (``scaleopt.models.sharding.constraints``), or None
-  when it has a single device."""
-  # read without importing the models (scaleopt.optim never imports flax): if the module is not
-  # loaded, no step is traced under its context
-  mod = sys.modules.get("scaleopt.models.sharding")
-  mesh = mod.current_mesh() if mod is not None else None
+  """The mesh the step is traced under (``scaleopt.mesh_context``, set by the trainer through
+  ``scaleopt.models.sharding.constraints``), or None when it has a single device."""
+  mesh = mesh_context.current()
   return mesh if mesh is not None and mesh.size > 1 else None
 
 
