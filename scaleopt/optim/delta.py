@@ -23,7 +23,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def inv_power_corrected(x, var, p: float, *, scale: float = 1.0, floor: float = 1e-12):
+# the smallest x the corrections divide by
+FLOOR = 1e-12
+
+
+def inv_power_corrected(x, var, p: float, *, scale: float = 1.0, floor: float = FLOOR):
   """x^{-p} - scale * (1/2) p (p+1) x^{-p-2} var, clamped at 0 (x floored at ``floor``)."""
   x = jnp.maximum(x, floor)
   half_t2 = 0.5 * p * (p + 1.0)

@@ -76,9 +76,17 @@ class SophiaCurvature(NamedTuple):
   refresh: jax.Array
 
 
+# Coordinates a safeguard changed at the last update (``ScaleBySophiaState.rules``):
+# refreshed denominators p = rho s h + eps below ``delta.FLOOR`` (the corrected inverse floors
+# p there; the uncorrected 1/p takes it as is: Hutchinson's non-positive curvature), corrected
+# inverses clamped at 0, and update ratios m * inv clipped at +-clip.
+RULES = ("curvature_below_floor", "inverse_clamped", "ratio_clipped")
+
+
 class ScaleBySophiaState(NamedTuple):
   """count, momentum mu, curvature EMA h and the cached (corrected) inverse, float32;
-  skipped: tensors zeroed at the last step (non-finite); spec: the ``CollectorSpec``."""
+  skipped: tensors zeroed at the last step (non-finite); spec: the ``CollectorSpec``; rules:
+  {name in ``RULES``: int32 count} of the last update (``scaleopt.optim.rule_counts``)."""
   count: jax.Array
   mu: PyTree
   h: PyTree
@@ -86,6 +94,7 @@ class ScaleBySophiaState(NamedTuple):
   skipped: jax.Array
   spec: Static
   hp: dict
+  rules: dict
 
 
 register_bc_state(ScaleBySophiaState)
@@ -219,14 +228,22 @@ register_estimator("hutchinson", sophia_collect)
 
 
 def _refresh(h, hs, var, a, b2, eps, scale):
-  """New h and (corrected) inverse: h <- b2 h + (1-b2) h_step, inv = 1/p - Var(p)/p^3
-  (``var`` None: no correction)."""
+  """New h, (corrected) inverse and the counts of ``RULES[:2]``: h <- b2 h + (1-b2) h_step,
+  inv = 1/p - Var(p)/p^3 (``var`` None: no correction)."""
   h_new = b2 * h + (1 - b2) * hs
   p = a * h_new + eps
+  low = jnp.sum(p < delta.FLOOR, dtype=jnp.int32)
   if var is None:
-    return h_new, 1.0 / p
+    return h_new, 1.0 / p, jnp.stack([low, jnp.int32(0)])
   var_p = ((a * (1 - b2)) ** 2) * var  # first, so zero variance subtracts exactly 0
-  return h_new, delta.inv_corrected(p, var_p, scale=scale)
+  inv = delta.inv_corrected(p, var_p, scale=scale)
+  return h_new, inv, jnp.stack([low, jnp.sum(inv <= 0, dtype=jnp.int32)])
+
+
+def _rules(refresh_counts, u, clip) -> dict:
+  clipped = sum((jnp.sum(jnp.abs(x) > clip, dtype=jnp.int32) for x in jax.tree.leaves(u)),
+                jnp.int32(0)) if clip > 0 else jnp.int32(0)
+  return dict(zip(RULES, [refresh_counts[0], refresh_counts[1], clipped]))
 
 
 def scale_by_sophia(
@@ -301,7 +318,7 @@ def scale_by_sophia(
         jnp.zeros([], jnp.int32),
         jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), mu_dt), params), jax.tree.map(z, params),
         jax.tree.map(lambda p: jnp.full(jnp.shape(p), 1.0 / eps, state_dtype), params),
-        jnp.zeros([], jnp.int32), Static(spec), {})
+        jnp.zeros([], jnp.int32), Static(spec), {}, _rules(jnp.zeros(2, jnp.int32), {}, 0))
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     del params
@@ -317,14 +334,18 @@ def scale_by_sophia(
     def refreshed(h, hs_, var_):
       out = tmap(lambda h_, s_, v_: _refresh(h_, s_, v_ if use_var else None, a, b2, eps,
                                              correction_scale), h, hs_, var_)
-      return tuple(tmap(lambda x: x.astype(state_dtype), t) for t in unzip(out, h, 2))
+      h_r, inv_r, c_r = unzip(out, h, 3)
+      counts = sum(jax.tree.leaves(c_r), jnp.zeros(2, jnp.int32))
+      return (*(tmap(lambda x: x.astype(state_dtype), t) for t in (h_r, inv_r)), counts)
 
-    h_new, inv_new = phases.cond(cur.refresh, refreshed, lambda h, s_, v_: (h, state.inv),
-                                 state.h, hs, var)
+    h_new, inv_new, refresh_counts = phases.cond(
+        cur.refresh, refreshed, lambda h, s_, v_: (h, state.inv, jnp.zeros(2, jnp.int32)),
+        state.h, hs, var)
     bc1 = 1.0 - b1 ** count_inc.astype(jnp.float32)
     mu = tmap(lambda m, g: b1 * m + (1 - b1) * g.astype(m_dt), state.mu, updates)
     inv_use = inv_new if hessian_first else state.inv
     u = tmap(lambda m, i: (m / bc1 if bias_correct_momentum else m) * i, mu, inv_use)
+    rules = _rules(refresh_counts, u, clip)
     if clip > 0:
       u = tmap(lambda x: jnp.clip(x, -clip, clip), u)
     skipped = jnp.zeros([], jnp.int32)
@@ -333,7 +354,8 @@ def scale_by_sophia(
           u, ((mu, state.mu), (h_new, state.h), (inv_new, state.inv)), also=inv_new)
     out = tmap(lambda x, g: x.astype(g.dtype), u, updates)
     mu = tmap(lambda m: m.astype(mu_dt), mu)
-    return out, ScaleBySophiaState(count_inc, mu, h_new, inv_new, skipped, state.spec, {})
+    return out, ScaleBySophiaState(count_inc, mu, h_new, inv_new, skipped, state.spec, {},
+                                   rules)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -56,13 +56,14 @@ from scaleopt.optim.shampoo_lib.options import (AB_NUMERATORS, CROSSFITS, EIGH_I
                                                 resolve_root_method)
 from scaleopt.optim.shampoo_lib.placement import block_axes, block_sharding, in_host_memory
 from scaleopt.optim.shampoo_lib.roots import eigh_damped, newton_inverse_root, root_from_eig
-from scaleopt.optim.shampoo_lib.state import ScaleByShampooState, ShampooFactors, ShampooPrecond
+from scaleopt.optim.shampoo_lib.state import (RULES, ScaleByShampooState, ShampooFactors,
+                                              ShampooPrecond)
 from scaleopt.optim.shampoo_lib.statistics import shampoo_collect, shampoo_collector_spec
 from scaleopt.optim.shampoo_lib.transform import scale_by_shampoo, shampoo, shampoo_bc
 
 __all__ = [
     "AB_NUMERATORS", "CROSSFITS", "EIGH_IMPLEMENTATIONS", "GRAFTS", "MAJORS", "MODES",
-    "PRECISIONS", "ROOT_METHODS", "STACKED", "Blocking", "ScaleByShampooState", "ShampooFactors",
+    "PRECISIONS", "ROOT_METHODS", "RULES", "STACKED", "Blocking", "ScaleByShampooState", "ShampooFactors",
     "ShampooPrecond", "block_axes", "block_norms", "block_sharding", "blocking", "eigh_damped",
     "from_blocks", "in_host_memory", "newton_inverse_root", "resolve_root_method",
     "root_from_eig", "scale_by_shampoo", "shampoo", "shampoo_bc", "shampoo_collect",

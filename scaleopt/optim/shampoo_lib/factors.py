@@ -14,30 +14,43 @@ from scaleopt.optim.shampoo_lib.blocking import _gram, to_blocks
 from scaleopt.optim.shampoo_lib.options import resolve_root_method
 from scaleopt.optim.shampoo_lib.placement import (_batched_by_size, _on_owner, _to_device, _to_host,
                                                   in_host_memory)
-from scaleopt.optim.shampoo_lib.roots import eigh_damped, newton_inverse_root, root_from_eig
+from scaleopt.optim.shampoo_lib.roots import (eig_counts, eigh_damped, newton_root_unconverged,
+                                              root_from_eig)
+from scaleopt.optim.shampoo_lib.state import RULES, no_rules
 
 
 def _roots(f, keys, pre, *, root_method, damping, floor, newton_iters, newton_precision,
            correction_scale, d_max, eigh_implementation):
-  """New P_L, P_R for every factor (batched over blocks and tensors of one size); with
-  ``pre.eig_L`` (two-pass form) the collector's corrected eigenvalues."""
+  """(factors with new P_L, P_R, counts of ``RULES``) for every factor (batched over blocks
+  and tensors of one size); with ``pre.eig_L`` (two-pass form) the collector's corrected
+  eigenvalues. A factor whose new roots are not all finite keeps its previous ones."""
+  eig_kw = dict(floor=floor, correction_scale=correction_scale, d_max=d_max)
+
+  def from_eig(lam, q, var=None):  # (root, per-matrix counts: unconverged, floor, 0, d_max)
+    c = eig_counts(lam, var, **eig_kw)
+    root = root_from_eig(lam, q, var, correction_scale=correction_scale, d_max=d_max)
+    return root, jnp.concatenate([jnp.zeros_like(c[..., :1]), c], axis=-1)
+
   if pre is not None and pre.eig_L is not None:
-    root = lambda eig, var: root_from_eig(*eig, var, correction_scale=correction_scale,
-                                          d_max=d_max)
-    pl = {k: root(pre.eig_L[k], pre.var_L[k]) for k in keys}
-    pr = {k: root(pre.eig_R[k], pre.var_R[k]) for k in keys}
+    out = {(s, k): from_eig(*eig[k], var[k]) for s, eig, var in
+           (("L", pre.eig_L, pre.var_L), ("R", pre.eig_R, pre.var_R)) for k in keys}
   else:
     mats = {**{("L", k): f[k].L for k in keys}, **{("R", k): f[k].R for k in keys}}
     if resolve_root_method(root_method, d_max=d_max,
                            eigh_implementation=eigh_implementation) == "eigh":
-      fn = lambda x: root_from_eig(*eigh_damped(x, damping, floor, eigh_implementation),
-                                   d_max=d_max)
+      fn = lambda x: from_eig(*eigh_damped(x, damping, floor, eigh_implementation))
     else:
-      fn = lambda x: newton_inverse_root(x, damping, 4, newton_iters, newton_precision)
+      def fn(x):
+        root, bad = newton_root_unconverged(x, damping, 4, newton_iters, newton_precision)
+        return root, jnp.pad(bad.astype(jnp.int32)[..., None], ((0, 0), (0, 3)))
     out = _batched_by_size(mats, fn)
-    pl, pr = ({k: out[(s, k)] for k in keys} for s in ("L", "R"))
-  ok = lambda new, old: _on_owner(jnp.where(jnp.all(jnp.isfinite(new)), new, old))  # failed: keep
-  return {k: f[k]._replace(PL=ok(pl[k], f[k].PL), PR=ok(pr[k], f[k].PR)) for k in keys}
+  finite = {sk: jnp.all(jnp.isfinite(r)) for sk, (r, _) in out.items()}
+  counts = sum(jnp.sum(c, axis=0, dtype=jnp.int32) for _, c in out.values())
+  replaced = sum(jnp.where(ok, 0, out[sk][0].shape[0]) for sk, ok in finite.items())
+  rules = dict(zip(RULES, [counts[0], jnp.asarray(replaced, jnp.int32), *counts[1:]]))
+  new = lambda s, k, old: _on_owner(jnp.where(finite[(s, k)], out[(s, k)][0], old))
+  fac = {k: f[k]._replace(PL=new("L", k, f[k].PL), PR=new("R", k, f[k].PR)) for k in keys}
+  return fac, rules
 
 
 def _ema_factors(f, keys, sl, sr, b2):
@@ -72,21 +85,22 @@ def _statistics_io(offload: bool):
 
 def _update_factors(f, g_l, blk, keys, count, pre, step_ok, *, mode, stats_every, root_every,
                     b2, stats_precision, offload, root_kw):
-  """The factors after this step: std takes the statistics of the step's gradient every
-  ``stats_every`` steps and the roots every ``root_every`` steps (from the new statistics when
-  both fall on one step, on the same device copy); BC modes take B's statistics and the roots
-  on the collector's root steps. With ``offload`` L, R come to the device once per step that
-  uses them."""
+  """(factors after this step, counts of ``RULES``): std takes the statistics of the step's
+  gradient every ``stats_every`` steps and the roots every ``root_every`` steps (from the new
+  statistics when both fall on one step, on the same device copy); BC modes take B's
+  statistics and the roots on the collector's root steps. With ``offload`` L, R come to the
+  device once per step that uses them. Steps without roots count nothing."""
   if not keys:
-    return f
+    return f, no_rules()
   load, store = _statistics_io(offload)
   roots = lambda d: _roots(d, keys, pre, **root_kw)
+  unchanged = lambda d: (d, no_rules())
   if mode != "std":
     def refresh(f):
       old = load(f)
-      new = roots(_ema_factors(old, keys, pre.stat_L, pre.stat_R, b2))
-      return store(new, old, f, step_ok)
-    return phases.cond(pre.root, refresh, lambda f: f, f)
+      new, rules = roots(_ema_factors(old, keys, pre.stat_L, pre.stat_R, b2))
+      return store(new, old, f, step_ok), rules
+    return phases.cond(pre.root, refresh, unchanged, f)
   is_root = phases.due(count, root_every)
 
   def statistics(f):
@@ -94,13 +108,14 @@ def _update_factors(f, g_l, blk, keys, count, pre, step_ok, *, mode, stats_every
     old = load(f)
     new = _ema_factors(old, keys, {k: v[0] for k, v in gram.items()},
                        {k: v[1] for k, v in gram.items()}, b2)
-    return store(phases.cond(is_root, roots, lambda d: d, new), old, f, step_ok)
+    new, rules = phases.cond(is_root, roots, unchanged, new)
+    return store(new, old, f, step_ok), rules
 
   def roots_only(f):  # L, R read, not changed: they stay where they are kept
     def run(f):
-      new = roots(load(f))
-      return {k: new[k]._replace(L=f[k].L, R=f[k].R) for k in keys}
-    return phases.cond(is_root, run, lambda f: f, f)
+      new, rules = roots(load(f))
+      return {k: new[k]._replace(L=f[k].L, R=f[k].R) for k in keys}, rules
+    return phases.cond(is_root, run, unchanged, f)
 
   if stats_every == 1:
     return statistics(f)

@@ -65,8 +65,17 @@ def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 3
   return _newton_loop(f, damping, p, iters, precision)[1]
 
 
+def newton_root_unconverged(f: jax.Array, damping: float, p: int, iters: int, precision: str):
+  """(X, unconverged) of ``newton_inverse_root``: ``unconverged`` (one bool per matrix) where
+  the iteration ended at ``iters`` before stopping, or stopped before the quadratic phase
+  (||M - I||_F >= 0.1: round-off made the error grow); X is then the best iterate, not a
+  root to working precision."""
+  _, x, unconverged = _newton_loop(f, damping, p, iters, precision)
+  return x, unconverged
+
+
 def _newton_loop(f, damping, p, iters, precision):
-  """(iterations run, X) of ``newton_inverse_root``."""
+  """(iterations run, X, unconverged per matrix) of ``newton_inverse_root``."""
   n = f.shape[-1]
   eye = jnp.eye(n, dtype=jnp.float32)
   a = _sym(f.astype(jnp.float32)) + damping * eye
@@ -89,5 +98,18 @@ def _newton_loop(f, damping, p, iters, precision):
 
   cond = lambda c: (c[0] < iters) & ~jnp.all(c[4])
   done0 = jnp.zeros(norm.shape, bool)
-  i, x, _, _, _ = jax.lax.while_loop(cond, body, (0, x0, m0, err(m0), done0))
-  return i, _sym(x)
+  i, x, _, e, done = jax.lax.while_loop(cond, body, (0, x0, m0, err(m0), done0))
+  return i, _sym(x), (~done | ~(e < 0.1)).reshape(e.shape[:-2])
+
+
+def eig_counts(lam, var=None, *, floor: float, correction_scale: float = 1.0,
+               d_max: float = 0.0) -> jax.Array:
+  """Per matrix (int32, last axis): eigenvalues raised to ``floor`` (``eigh_damped``), corrected
+  roots clamped at 0 (``var`` given: lam^{-1/4} - (5/32) lam^{-9/4} Var <= 0) and roots
+  clipped at ``d_max`` (> 0) by ``root_from_eig``."""
+  d = lam ** -0.25 if var is None else delta.inv_fourth_root_corrected(
+      lam, var, scale=correction_scale)
+  count = lambda b: jnp.sum(b, axis=-1, dtype=jnp.int32)
+  zero = jnp.zeros(lam.shape[:-1], jnp.int32)
+  return jnp.stack([count(lam <= floor), zero if var is None else count(d <= 0),
+                    count(d > d_max) if d_max > 0 else zero], axis=-1)

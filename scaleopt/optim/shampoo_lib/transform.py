@@ -17,7 +17,7 @@ from scaleopt.optim.shampoo_lib.factors import _step_ok, _update_factors
 from scaleopt.optim.shampoo_lib.options import _validate
 from scaleopt.optim.shampoo_lib.placement import _on_owner, _to_host, in_host_memory
 from scaleopt.optim.shampoo_lib.state import (PyTree, ScaleByShampooState, ShampooFactors,
-                                              ShampooPrecond, _is_masked)
+                                              ShampooPrecond, _is_masked, no_rules)
 from scaleopt.optim.shampoo_lib.statistics import shampoo_collector_spec
 
 
@@ -224,7 +224,8 @@ def scale_by_shampoo(
   def init_fn(params):
     mu, nu, factors = _init(params, exclude, eligible, block_size, graft, mu_dt,
                             offload_statistics, block_major, block_shards)
-    return ScaleByShampooState(jnp.zeros([], jnp.int32), mu, nu, factors, Static(spec), hp())
+    return ScaleByShampooState(jnp.zeros([], jnp.int32), mu, nu, factors, Static(spec), hp(),
+                               no_rules())
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     del params
@@ -242,10 +243,10 @@ def scale_by_shampoo(
     mu_l, nu_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
     keys = sorted(state.factors)
     blk = _blockings(updates, keys, block_size, block_major, block_shards)
-    fac = _update_factors(state.factors, raw_l, blk, keys, count, pre, _step_ok(bc_stats),
-                          mode=mode, stats_every=stats_every, root_every=root_every, b2=b2,
-                          stats_precision=stats_precision, offload=offload_statistics,
-                          root_kw=root_kw)
+    fac, rules = _update_factors(
+        state.factors, raw_l, blk, keys, count, pre, _step_ok(bc_stats), mode=mode,
+        stats_every=stats_every, root_every=root_every, b2=b2, stats_precision=stats_precision,
+        offload=offload_statistics, root_kw=root_kw)
     out_u, out_mu, out_nu = _all_directions(
         orig_l, g_l, raw_l, mu_l, nu_l, fac, blk, count_inc.astype(jnp.float32),
         dict(b1=b1, ab1=ab1, ab2=ab2, eps=eps, graft=graft, update_clip_fro=update_clip_fro,
@@ -255,7 +256,7 @@ def scale_by_shampoo(
     fac = {k: ShampooFactors(*map(own, f)) for k, f in fac.items()}
     out_mu = [m if _is_masked(m) else m.astype(mu_dt) for m in out_mu]
     return un(out_u), ScaleByShampooState(count_inc, un(out_mu), un(out_nu), fac, state.spec,
-                                          hp())
+                                          hp(), rules)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
