@@ -12,10 +12,10 @@ equal blocks, padded with zeros when needed, so every block of a tensor has one 
 All blocks of one factor size, across all tensors, are stacked and their roots computed in one
 batched call on root steps (``phases.cond``): by ``jnp.linalg.eigh`` in float32
 (``root_method="eigh"``) or by coupled Newton iterations (``"newton"``: batched matmuls at
-``newton_precision``). The default ``"auto"`` takes Newton at precision ``"high"`` (TF32 on
-NVIDIA GPUs, three bf16 passes on TPU) on accelerators, where it computes a root step about 3x
-faster than cuSOLVER's ``eigh`` with the same loss at 124M (docs/optim.md, Shampoo root
-solvers), and ``eigh`` on CPU (LAPACK's is faster there) and for the ``inv``/``full`` modes
+``newton_precision``, float32 ``"highest"`` by default: in TF32 the root's error grows with
+the factor's condition number, 2-3% at 1e4 and about 50% at 1e6, docs/optim.md). The default
+``"auto"`` takes Newton on accelerators, where it computes a root step faster than cuSOLVER's
+``eigh`` (docs/optim.md, Shampoo root solvers), and ``eigh`` on CPU (LAPACK's is faster there) and for the ``inv``/``full`` modes
 (their correction needs the eigenvalues). Other tensors (1-D, embeddings, too large)
 take AdamW (b1 or ``adam_b1``, b2 or ``adam_b2``, eps; bias-corrected moments).
 ``graft="adam"`` (the default, as in distributed Shampoo) rescales each block of U to the
