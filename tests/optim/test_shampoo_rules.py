@@ -91,3 +91,20 @@ def test_newton_counts_a_run_cut_at_the_cap_inside_the_quadratic_phase():
   assert 3 < int(n) < 100 and not bool(bad[0])
   for iters in (1, int(n) - 1):
     assert bool(roots.newton_root_unconverged(f, 0.0, 4, iters, "highest")[1][0]), iters
+
+
+def test_telemetry_rows_carry_the_counters():
+  """``bc_rules/<rule>`` in the trainer's telemetry: the Newton roots of the next update, cut
+  at 2 iterations, are all unconverged (one 10 x 3 matrix: 2)."""
+  from scaleopt.train import telemetry
+  g = np.random.default_rng(5).normal(size=(4, 10, 3)).astype(np.float32)
+  params = {"w": jnp.zeros((10, 3), jnp.float32)}
+  loss = lambda p, mb: (jnp.sum(p["w"] * mb), {})
+  tx = S.scale_by_shampoo(root_every=1, root_method="newton", newton_iters=2, damping=1e-4,
+                          min_dim=1)
+  st = tx.init(params)
+  stats = so.collect(loss, params, jnp.asarray(g), st)
+  rows = telemetry._rules(tx, st, params, stats)
+  assert {f"bc_rules/{k}" for k in S.RULES} <= set(rows)
+  assert float(rows["bc_rules/newton_unconverged"]) == 2.0
+  assert float(rows["bc_rules/root_nonfinite"]) == 0.0
