@@ -433,8 +433,23 @@ def _f32(tree: PyTree) -> PyTree:
 
 
 def _stored(g: PyTree, dtype) -> PyTree:
-  """A microbatch gradient as one-pass LOO stores it: in ``dtype`` (round to nearest)."""
+  """A microbatch gradient as one-pass LOO stores it: in ``dtype`` (round to nearest). bfloat16
+  is kept as its bits (uint16), which XLA's float normalization leaves alone (a bfloat16 stack
+  would be widened to float32 as a whole on backends without bfloat16 arithmetic)."""
+  if dtype == jnp.bfloat16:
+    return jax.tree.map(
+        lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16), g)
   return jax.tree.map(lambda x: x.astype(dtype), g)
+
+
+def _one_slice(g: PyTree) -> PyTree:
+  """One stored gradient in float32 as the fold reads it (exact: bfloat16 is float32's upper
+  half)."""
+  def up(x):
+    if x.dtype != jnp.uint16:
+      return x
+    return jax.lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
+  return jax.tree.map(up, g)
 
 
 def _zeros_like_out(fn: Callable, *args) -> PyTree:
@@ -648,12 +663,13 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
 
   def step(carry, g_r):
     t, w = carry
-    terms, d = fold(jax.tree.map(lambda x: c * x, _f32(g_r)))
+    terms, d = fold(jax.tree.map(lambda x: c * x, _f32(_one_slice(g_r))))
     return jax.tree.map(jnp.add, t, terms), welford_add(w, d)
 
   def reduce(carry, g_rs):  # the folds of microbatches split over devices: sums, no scan
     t, w = carry
-    terms, d = _vmap(lambda g_r: fold(jax.tree.map(lambda x: c * x, _f32(g_r))), m)(g_rs)
+    terms, d = _vmap(lambda g_r: fold(jax.tree.map(lambda x: c * x, _f32(_one_slice(g_r)))),
+                     m)(g_rs)
     return jax.tree.map(jnp.add, t, sum0(terms)), welford_merge(w, welford_of(d))
 
   # stored gradients already in slices: the plain scan folds them where they are
@@ -835,7 +851,7 @@ def collector_options(*, loo_passes: Optional[int] = None,
       False (default): a ``lax.scan``, one microbatch at a time.
     loo_storage: dtype of the gradients one-pass LOO stores: ``"float32"`` (default; the
       statistics equal the two-pass form's) or ``"bfloat16"`` (half the memory; each stored
-      g_r is rounded to 8 mantissa bits, relative error <= 2^-9, before the float32 folds).
+      g_r is rounded to bfloat16, relative error <= 2^-8, before the float32 folds).
 
   None leaves a setting to the default (or to another element of the chain).
   """
