@@ -68,6 +68,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental.shard_alike import shard_alike
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from scaleopt.optim import phases
@@ -432,6 +433,15 @@ def _f32(tree: PyTree) -> PyTree:
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
 
 
+def _like(g: PyTree, params: PyTree) -> PyTree:
+  """Each gradient leaf sharded as its parameter (``shard_alike``: no mesh needed); the
+  stacked [m, ...] buffer of one-pass LOO then splits its parameter axes over the devices
+  that split the parameter (FSDP) instead of being left to propagation, which can
+  replicate it."""
+  return jax.tree.map(lambda x, p: shard_alike(x, p)[0] if jnp.shape(x) == jnp.shape(p) else x,
+                      g, params)
+
+
 def _stored(g: PyTree, dtype) -> PyTree:
   """A microbatch gradient as one-pass LOO stores it: in ``dtype`` (round to nearest). bfloat16
   is kept as its bits (uint16), which XLA's float normalization leaves alone (a bfloat16 stack
@@ -599,7 +609,8 @@ def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional
     return c
 
   c, kept = fold_microbatches(fn, step, carry0, mbs, vmap=vmap, reduce=reduce,
-                              keep=(lambda y: _stored(y[2], keep_dtype)) if keep_grads else None)
+                              keep=(lambda y: _stored(_like(y[2], params), keep_dtype))
+                              if keep_grads else None)
   mean = lambda t: jax.tree.map(lambda s: s / m, t)
   var = welford_var_of_mean(c["w"], m) if var_of else None
   stats = GroupStats(mean=mean(c["g"]), sq=mean(c["sq"]) if need_sq else None, var=var, count=m)
