@@ -147,3 +147,43 @@ def test_bfloat16_storage_halves_the_stored_bytes():
 def test_bad_storage_options_are_one_line_errors(extra, match):
   with pytest.raises(ValueError, match=match):
     so.build({"name": "adamw_bc", "learning_rate": 1e-3, "extra": extra})
+
+
+_SHARDED = r"""
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import scaleopt.optim as so
+assert jax.device_count() == 2
+mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+d = 256
+params = jax.device_put({"w1": jnp.zeros((d, d)), "w2": jnp.zeros((d, d))},
+                        NamedSharding(mesh, P("fsdp", None)))
+loss = lambda p, mb: (jnp.mean((jnp.tanh(mb["x"] @ p["w1"]) @ p["w2"] - mb["y"]) ** 2), {})
+
+def temp(m, **opts):
+  mbs = jax.device_put({"x": jnp.zeros((m, 4, d)), "y": jnp.zeros((m, 4, d))},
+                       NamedSharding(mesh, P(None, "fsdp")))
+  tx = optax.chain(so.collector_options(**opts), so.adamw_bc(1e-3))
+  f = jax.jit(lambda p, b, s: so.collect(loss, p, b, s))
+  st = jax.jit(tx.init)(params)
+  return f.lower(params, mbs, st).compile().memory_analysis().temp_size_in_bytes
+
+print(temp(16) - temp(8), temp(16, loo_storage="bfloat16") - temp(8, loo_storage="bfloat16"))
+"""
+
+
+def test_stored_gradients_are_sharded_like_the_parameters():
+  """FSDP on 2 simulated devices: 8 more stored float32 gradients cost each device
+  8 x params x 4 / 2 bytes (half of them; replicated stacks would cost all), bfloat16 a quarter."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             PYTHONPATH=os.getcwd())
+  out = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  f32, bf16 = map(int, out.stdout.split())
+  half = 8 * 2 * 256 * 256 * 4 / 2
+  assert 0.95 * half <= f32 <= 1.1 * half, (f32, half)
+  assert 0.45 * half <= bf16 <= 0.6 * half, (bf16, half)
