@@ -32,8 +32,10 @@ Layouts (who is numerator, who is preconditioner):
 * ``loo``: leave-one-out; the BC states' fold functions run on every g_r given g_full; the
   collector averages their terms and Welfords their denominators. One pass (the default,
   ``loo_passes=1``): the scan that accumulates g_full also stores every g_r (stacked,
-  float32: m x params x 4 bytes more, ~4 GB for GPT-2 small at m = 8) and the folds scan over
-  the stored gradients (no second forward/backward). Two passes (``loo_passes=2``, for
+  float32: m x params x 4 bytes more, ~4 GB for GPT-2 small at m = 8; ``loo_storage=
+  "bfloat16"`` halves it; each stored g_r is sharded like its parameter, so FSDP over n
+  devices divides it by n) and the folds scan over the stored gradients (no second
+  forward/backward). Two passes (``loo_passes=2``, for
   memory): pass 1 computes g_full, pass 2 recomputes every g_r (memory independent of m).
   Both give the same statistics (bit for bit on CPU).
 
