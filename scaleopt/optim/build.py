@@ -22,7 +22,8 @@ Config: a plain dict or an ``OptimizerConfig``. Keys: ``name``, ``learning_rate`
 ``sparse_filter``, as the paper's ``--all_dense``), ``weight_decay``, ``b1``, ``b2``, ``eps``
 (None = the optimizer's own default) and ``extra``: keyword arguments of the optimizer's alias (``adamw_bc``,
 ``sophia``, ``shampoo``, ...); an unknown one is an error naming it. The bias-corrected names
-also take the collector's microbatching options ``loo_passes`` and ``vmap_microbatches``
+also take the collector's microbatching options ``loo_passes``, ``vmap_microbatches`` and
+``loo_storage``
 (``COLLECTOR_KEYS``), which ``build`` puts into the chain as ``collector_options``.
 """
 
@@ -44,7 +45,7 @@ from scaleopt.optim.schedules import ScheduleConfig, make_schedule
 PyTree = Any
 Factory = Callable[..., optax.GradientTransformation]
 # ``extra`` keys of the bias-corrected names that go to ``collector_options``, not the alias
-COLLECTOR_KEYS = ("loo_passes", "vmap_microbatches")
+COLLECTOR_KEYS = ("loo_passes", "vmap_microbatches", "loo_storage")
 
 
 class Registered(NamedTuple):

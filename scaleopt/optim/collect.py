@@ -32,8 +32,10 @@ Layouts (who is numerator, who is preconditioner):
 * ``loo``: leave-one-out; the BC states' fold functions run on every g_r given g_full; the
   collector averages their terms and Welfords their denominators. One pass (the default,
   ``loo_passes=1``): the scan that accumulates g_full also stores every g_r (stacked,
-  float32: m x params x 4 bytes more, ~4 GB for GPT-2 small at m = 8) and the folds scan over
-  the stored gradients (no second forward/backward). Two passes (``loo_passes=2``, for
+  float32: m x params x 4 bytes more, ~4 GB for GPT-2 small at m = 8; ``loo_storage=
+  "bfloat16"`` halves it; each stored g_r is sharded like its parameter, so FSDP over n
+  devices divides it by n) and the folds scan over the stored gradients (no second
+  forward/backward). Two passes (``loo_passes=2``, for
   memory): pass 1 computes g_full, pass 2 recomputes every g_r (memory independent of m).
   Both give the same statistics (bit for bit on CPU).
 
@@ -68,6 +70,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental.shard_alike import shard_alike
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from scaleopt.optim import phases
@@ -80,6 +83,7 @@ LAYOUTS = ("all", "ab", "rolling_b", "symmetric", "loo")
 VAR_OF = (None, "grad", "sq", "post_ema")
 CLIPS = ("none", "consistent", "numerator")
 LOO_PASSES = (None, 1, 2)
+LOO_STORAGE = (None, "float32", "bfloat16")
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -205,6 +209,8 @@ class CollectorSpec:
     loo_passes: 1 or 2 sweeps for the ``loo`` layout (None: no preference, 1).
     vmap_microbatches: per-microbatch gradients of a group by ``jax.vmap`` instead of
       ``lax.scan`` (None: no preference, scan).
+    loo_storage: dtype of the m gradients one-pass LOO stores, ``"float32"`` or
+      ``"bfloat16"`` (None: no preference, float32); the folds compute in float32.
   """
   layout: Optional[str] = "all"
   var_of: Optional[str] = None
@@ -218,6 +224,7 @@ class CollectorSpec:
   stateful: bool = False
   loo_passes: Optional[int] = None
   vmap_microbatches: Optional[bool] = None
+  loo_storage: Optional[str] = None
 
   def __post_init__(self):
     for name, allowed in (("layout", LAYOUTS + (None,)), ("var_of", VAR_OF), ("clip", CLIPS)):
@@ -225,6 +232,9 @@ class CollectorSpec:
         raise ValueError(f"CollectorSpec.{name}={getattr(self, name)!r}; allowed: {allowed}")
     if self.loo_passes not in LOO_PASSES or type(self.loo_passes) not in (int, type(None)):
       raise ValueError(f"loo_passes={self.loo_passes!r} must be 1 or 2 (None: no preference)")
+    if self.loo_storage not in LOO_STORAGE:
+      raise ValueError(f"loo_storage={self.loo_storage!r} must be 'float32' or 'bfloat16' "
+                       "(None: no preference)")
     if not isinstance(self.vmap_microbatches, (bool, type(None))):
       raise ValueError(f"vmap_microbatches={self.vmap_microbatches!r} must be a bool "
                        "(None: no preference)")
@@ -246,6 +256,11 @@ class CollectorSpec:
     """Leave-one-out folds on stored gradients: unless ``loo_passes=2`` (the default is one
     pass; vmapped microbatches always store them)."""
     return self.loo_passes != 2 or self.vmap
+
+  @property
+  def loo_dtype(self):
+    """dtype of the stored microbatch gradients of one-pass LOO (``loo_storage``)."""
+    return jnp.bfloat16 if self.loo_storage == "bfloat16" else jnp.float32
 
   @property
   def passes_per_step(self) -> float:
@@ -340,7 +355,8 @@ def _merge(found: list[Found]) -> CollectorSpec:
   specs = [f.state.spec.value for f in found]
   pick = lambda name, skip: {getattr(s, name) for s in specs} - {skip}
   for name, skip in (("layout", None), ("var_of", None), ("estimator", None), ("clip", "none"),
-                     ("loo_passes", None), ("vmap_microbatches", None)):
+                     ("loo_passes", None), ("vmap_microbatches", None),
+                     ("loo_storage", None)):
     vals = pick(name, skip)
     if len(vals) > 1:
       raise ValueError(f"the optimizer chain holds bias-corrected transforms that need different "
@@ -356,10 +372,17 @@ def _merge(found: list[Found]) -> CollectorSpec:
                             clip=one("clip", "none", "none"),
                             stateful=any(s.stateful for s in specs),
                             loo_passes=one("loo_passes", None, None),
-                            vmap_microbatches=one("vmap_microbatches", None, None))
+                            vmap_microbatches=one("vmap_microbatches", None, None),
+                            loo_storage=one("loo_storage", None, None))
   if out.loo_passes is not None and layout != "loo":
     raise ValueError(f"loo_passes={out.loo_passes} applies to the leave-one-out layout; this "
                      f"chain's layout is {layout!r}")
+  if out.loo_storage is not None and layout != "loo":
+    raise ValueError(f"loo_storage={out.loo_storage!r} applies to the leave-one-out layout; "
+                     f"this chain's layout is {layout!r}")
+  if out.loo_storage is not None and not out.loo_one_pass:
+    raise ValueError(f"loo_storage={out.loo_storage!r} sets how one-pass LOO stores the "
+                     "microbatch gradients; loo_passes=2 stores none")
   if out.loo_passes == 2 and out.vmap:
     raise ValueError("vmap_microbatches=True stores every microbatch gradient, so the "
                      "leave-one-out folds run on the stored gradients: use loo_passes=1 (or "
@@ -410,6 +433,35 @@ def halves(microbatches: PyTree, what: str) -> tuple[PyTree, PyTree]:
 
 def _f32(tree: PyTree) -> PyTree:
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+
+
+def _like(g: PyTree, params: PyTree) -> PyTree:
+  """Each gradient leaf sharded as its parameter (``shard_alike``: no mesh needed); the
+  stacked [m, ...] buffer of one-pass LOO then splits its parameter axes over the devices
+  that split the parameter (FSDP) instead of being left to propagation, which can
+  replicate it."""
+  return jax.tree.map(lambda x, p: shard_alike(x, p)[0] if jnp.shape(x) == jnp.shape(p) else x,
+                      g, params)
+
+
+def _stored(g: PyTree, dtype) -> PyTree:
+  """A microbatch gradient as one-pass LOO stores it: in ``dtype`` (round to nearest). bfloat16
+  is kept as its bits (uint16), which XLA's float normalization leaves alone (a bfloat16 stack
+  would be widened to float32 as a whole on backends without bfloat16 arithmetic)."""
+  if dtype == jnp.bfloat16:
+    return jax.tree.map(
+        lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16), g)
+  return jax.tree.map(lambda x: x.astype(dtype), g)
+
+
+def _one_slice(g: PyTree) -> PyTree:
+  """One stored gradient in float32 as the fold reads it (exact: bfloat16 is float32's upper
+  half)."""
+  def up(x):
+    if x.dtype != jnp.uint16:
+      return x
+    return jax.lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
+  return jax.tree.map(up, g)
 
 
 def _zeros_like_out(fn: Callable, *args) -> PyTree:
@@ -516,12 +568,12 @@ def sum0(t: PyTree) -> PyTree:
 
 def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional[str] = None,
                x_fn: Optional[Callable] = None, need_sq: bool = False, vmap: bool = False,
-               keep_grads: bool = False):
+               keep_grads: bool = False, keep_dtype=jnp.float32):
   """One pass over a group: (GroupStats, mean loss, mean aux), float32.
 
   ``x_fn(g_j)`` gives the per-microbatch quantity whose variance ``var_of`` asks for;
-  ``vmap``: see ``fold_microbatches``. ``keep_grads=True`` also returns the stacked float32
-  microbatch gradients (m x params) as a fourth output.
+  ``vmap``: see ``fold_microbatches``. ``keep_grads=True`` also returns the stacked
+  microbatch gradients (m x params, in ``keep_dtype``) as a fourth output.
   """
   m = num_microbatches(mbs)
   mb0 = jax.tree.map(lambda x: x[0], mbs)
@@ -559,7 +611,8 @@ def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional
     return c
 
   c, kept = fold_microbatches(fn, step, carry0, mbs, vmap=vmap, reduce=reduce,
-                              keep=(lambda y: y[2]) if keep_grads else None)
+                              keep=(lambda y: _stored(_like(y[2], params), keep_dtype))
+                              if keep_grads else None)
   mean = lambda t: jax.tree.map(lambda s: s / m, t)
   var = welford_var_of_mean(c["w"], m) if var_of else None
   stats = GroupStats(mean=mean(c["g"]), sq=mean(c["sq"]) if need_sq else None, var=var, count=m)
@@ -607,7 +660,8 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
   if m < 2:
     raise ValueError(f"leave-one-out needs at least 2 microbatches, got m={m}")
   one = spec.loo_one_pass
-  full, loss, aux, *g_all = scan_group(grad_fn, params, mbs, vmap=spec.vmap, keep_grads=one)
+  full, loss, aux, *g_all = scan_group(grad_fn, params, mbs, vmap=spec.vmap, keep_grads=one,
+                                       keep_dtype=spec.loo_dtype)
   c = clip_factor(full.mean, max_norm) if max_norm is not None else jnp.float32(1.0)
   g_full = jax.tree.map(lambda x: c * x, full.mean)
   folds = [_STATE_HOOKS[type(f.state)].fold_fn(f.state, f.hp) for f in found
@@ -622,12 +676,13 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
 
   def step(carry, g_r):
     t, w = carry
-    terms, d = fold(jax.tree.map(lambda x: c * x, g_r))
+    terms, d = fold(jax.tree.map(lambda x: c * x, _f32(_one_slice(g_r))))
     return jax.tree.map(jnp.add, t, terms), welford_add(w, d)
 
   def reduce(carry, g_rs):  # the folds of microbatches split over devices: sums, no scan
     t, w = carry
-    terms, d = _vmap(lambda g_r: fold(jax.tree.map(lambda x: c * x, g_r)), m)(g_rs)
+    terms, d = _vmap(lambda g_r: fold(jax.tree.map(lambda x: c * x, _f32(_one_slice(g_r)))),
+                     m)(g_rs)
     return jax.tree.map(jnp.add, t, sum0(terms)), welford_merge(w, welford_of(d))
 
   # stored gradients already in slices: the plain scan folds them where they are
@@ -794,7 +849,8 @@ register_bc_state(CollectorOptionsState)
 
 
 def collector_options(*, loo_passes: Optional[int] = None,
-                      vmap_microbatches: Optional[bool] = None
+                      vmap_microbatches: Optional[bool] = None,
+                      loo_storage: Optional[str] = None
                       ) -> optax.GradientTransformationExtraArgs:
   """How ``collect`` computes the per-microbatch gradients (an identity transform whose state
   carries the choice; chain it with a bias-corrected optimizer).
@@ -806,10 +862,14 @@ def collector_options(*, loo_passes: Optional[int] = None,
     vmap_microbatches: True: each group's m gradients from one ``jax.vmap`` over the
       microbatch axis (memory: the whole group's activations plus m x params x 4 bytes);
       False (default): a ``lax.scan``, one microbatch at a time.
+    loo_storage: dtype of the gradients one-pass LOO stores: ``"float32"`` (default; the
+      statistics equal the two-pass form's) or ``"bfloat16"`` (half the memory; each stored
+      g_r is rounded to bfloat16, relative error <= 2^-8, before the float32 folds).
 
   None leaves a setting to the default (or to another element of the chain).
   """
-  spec = CollectorSpec(layout=None, loo_passes=loo_passes, vmap_microbatches=vmap_microbatches)
+  spec = CollectorSpec(layout=None, loo_passes=loo_passes, vmap_microbatches=vmap_microbatches,
+                       loo_storage=loo_storage)
 
   def init_fn(params):
     del params
