@@ -70,7 +70,10 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
-from jax.experimental.shard_alike import shard_alike
+try:  # the module moved across jax releases; without it the stack shards by propagation alone
+  from jax.experimental.shard_alike import shard_alike
+except ImportError:
+  shard_alike = getattr(jax.lax, "shard_alike", None) or getattr(jax.sharding, "shard_alike", None)
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from scaleopt.optim import phases
@@ -440,6 +443,8 @@ def _like(g: PyTree, params: PyTree) -> PyTree:
   stacked [m, ...] buffer of one-pass LOO then splits its parameter axes over the devices
   that split the parameter (FSDP) instead of being left to propagation, which can
   replicate it."""
+  if shard_alike is None:
+    return g
   return jax.tree.map(lambda x, p: shard_alike(x, p)[0] if jnp.shape(x) == jnp.shape(p) else x,
                       g, params)
 
