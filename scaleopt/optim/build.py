@@ -214,6 +214,7 @@ def build(config: Union[Mapping[str, Any], OptimizerConfig], *,
           wd_mask: Optional[Union[PyTree, Callable[[PyTree], PyTree]]] = None,
           sparse_filter: Optional[Callable[[PyTree], PyTree]] = None,
           shard_dims: Optional[Callable[[PyTree], PyTree]] = None,
+          schedule: Optional[optax.Schedule] = None,
           ) -> tuple[optax.GradientTransformationExtraArgs, CollectorSpec]:
   """(tx, spec) for an optimizer config.
 
@@ -229,12 +230,14 @@ def build(config: Union[Mapping[str, Any], OptimizerConfig], *,
       splits, or None (``scaleopt.models.fsdp_dims``); passed to factories that take a
       ``shard_dims`` keyword (Shampoo orders its blocks by it unless ``extra.block_major`` is
       ``layers``).
+    schedule: the learning-rate schedule of ``config`` when the caller has made it already
+      (``make_schedule(config.schedule, config.learning_rate)``); None makes it here.
 
   Returns:
     tx: ``optax.GradientTransformationExtraArgs``; spec: ``collector_spec(tx)``.
   """
   cfg = OptimizerConfig.from_dict(config)
-  lr = make_schedule(cfg.schedule, cfg.learning_rate)
+  lr = make_schedule(cfg.schedule, cfg.learning_rate) if schedule is None else schedule
   if cfg.all_dense:
     sparse_filter = None
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -40,11 +40,31 @@ def optimizer_config(section: dict) -> OptimizerConfig:
   return OptimizerConfig.from_dict(section)
 
 
-def build_optimizer(section: dict, wd_mask, sparse_filter, shard_dims=None):
-  """(tx, spec, schedule) for the optimizer section; ``schedule`` is for the lr metric."""
+class Built(NamedTuple):
+  """A run's optimizer: the chain, its collector spec and its learning-rate schedule (one
+  schedule, which the chain steps with and the lr metric reads)."""
+  tx: Any
+  spec: CollectorSpec
+  schedule: Callable
+
+
+def build_optimizer(section, wd_mask=None, sparse_filter=None, shard_dims=None) -> Built:
+  """(tx, spec, schedule) for the optimizer section (a mapping or ``OptimizerConfig``):
+  the schedule is made once and passed to ``optim.build``."""
   cfg = OptimizerConfig.from_dict(section)
-  tx, spec = build(cfg, wd_mask=wd_mask, sparse_filter=sparse_filter, shard_dims=shard_dims)
-  return tx, spec, make_schedule(cfg.schedule, cfg.learning_rate)
+  schedule = make_schedule(cfg.schedule, cfg.learning_rate)
+  tx, spec = build(cfg, wd_mask=wd_mask, sparse_filter=sparse_filter, shard_dims=shard_dims,
+                   schedule=schedule)
+  return Built(tx, spec, schedule)
+
+
+def run_optimizer(section, wd_policy: str) -> Built:
+  """The optimizer a training run steps with: weight decay under ``wd_policy``, embeddings
+  through ``sparse_filter``, Shampoo's blocks ordered by the model's FSDP dims. Every argument
+  is a function of the parameters, so it is built from the config alone (once, when the
+  config is validated: ``TrainConfig.optimizer_built``)."""
+  return build_optimizer(section, wd_mask=lambda p: models.weight_decay_mask(p, wd_policy),
+                         sparse_filter=sparse_filter, shard_dims=models.fsdp_dims)
 
 
 def sparse_filter(params: PyTree) -> PyTree:

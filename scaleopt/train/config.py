@@ -27,8 +27,10 @@ import time
 import typing
 from typing import Any, Literal, Optional
 
-import jax
 import yaml
+
+if typing.TYPE_CHECKING:
+  from scaleopt.optim import OptimizerConfig
 
 from scaleopt.config import (ConfigError, apply_overrides as _apply_overrides, check_keys,
                              choice, convert, fail, numbers, parse, read_yaml, spec, to_dict,
@@ -90,11 +92,23 @@ class TrainConfig:
   run: RunConfig
   data: DataConfig
   model: dict  # preset + ModelConfig fields + wd_policy (each typed by ModelConfig's field)
-  optimizer: dict  # resolved OptimizerConfig (typed through the optimizer registry)
+  optimizer: "OptimizerConfig"  # typed through the optimizer registry (scaleopt.optim)
   mesh: MeshConfig
+  # the run's optimizer (tx, spec, schedule: bridge.Built), built once from the sections above
+  # when the config is made (nothing is traced); the trainer steps with it. Not recorded.
+  built: Any = dataclasses.field(init=False, repr=False, compare=False)
+
+  def __post_init__(self):
+    from scaleopt.train import bridge
+    try:
+      self.built = bridge.run_optimizer(self.optimizer,
+                                        self.model.get("wd_policy", ModelKeys.wd_policy))
+    except (ValueError, TypeError) as e:
+      raise ConfigError(f"config section 'optimizer': {e}") from None
 
   def to_dict(self) -> dict:
-    return to_dict(self)
+    return {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)
+            if f.name != "built"}
 
 
 _SECTIONS = {"run": RunConfig, "data": DataConfig, "mesh": MeshConfig}
@@ -104,9 +118,9 @@ def _check_optimizer(opt: Any, steps: int) -> dict:
   """The optimizer section typed through the optimizer registry: ``name`` is a registered name
   (``scaleopt.optim.names()``), every other key is typed by ``OptimizerConfig``'s field of that
   name, ``schedule`` by ``ScheduleConfig`` (``total_steps`` defaults to ``run.steps``) and
-  ``extra`` by the registered keys; then the optimizer is built (pure Python, nothing is
-  traced), which checks the values of ``extra``. Returns the resolved section: every key, with
-  its default where the file sets none."""
+  ``extra`` by the optimizer's registered config class. Returns the typed ``OptimizerConfig``
+  (every key, with its default where the file sets none); ``TrainConfig`` then builds the
+  optimizer once (pure Python, nothing is traced), which checks the values of ``extra``."""
   from scaleopt import optim
   from scaleopt.optim.schedules import ScheduleConfig
   if not isinstance(opt, dict):
@@ -126,17 +140,9 @@ def _check_optimizer(opt: Any, steps: int) -> dict:
   kw["extra"] = convert(opt.get("extra") or {}, dict, "optimizer.extra")
   try:
     kw["schedule"] = parse(ScheduleConfig, sched, "optimizer.schedule")
-    cfg = optim.OptimizerConfig(**kw)
-    # the trainer passes its embedding filter (train/bridge.py); one that marks nothing
-    # stands in for it here (a filter routes tensors, it does not change what is valid)
-    optim.build(cfg, sparse_filter=_NO_SPARSE)
+    return optim.OptimizerConfig(**kw)  # built (values checked) by TrainConfig
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config section 'optimizer': {e}") from None
-  return to_dict(cfg)
-
-
-def _NO_SPARSE(params):
-  return jax.tree.map(lambda _: False, params)
 
 
 def _fit_warmup(sched: dict) -> dict:

@@ -112,7 +112,7 @@ def test_paper_study_plan_follows_the_paper():
   cfg = {c.arm: st.cell_config(c) for c in cells}
   for arm, c in cfg.items():
     assert c.run.steps * c.data.batch_size * c.data.seq_len == 262_144_000
-    assert (c.data.batch_size, c.data.microbatches, c.optimizer["schedule"]["warmup_steps"]) == (
+    assert (c.data.batch_size, c.data.microbatches, c.optimizer.schedule.warmup_steps) == (
         512, 64, 20)
     assert c.run.eval_tokens >= 2_000_000
     o = c.optimizer

@@ -19,7 +19,7 @@ def test_every_shipped_config_loads():
   names = set()
   for f in files:
     cfg = C.load_config(f)
-    names.add(cfg.optimizer["name"])
+    names.add(cfg.optimizer.name)
   assert {"adamw", "adamw_bc"} <= names
 
 
@@ -29,10 +29,10 @@ def test_overrides_parse_as_yaml_and_nest(tmp_path):
   cfg = C.load_config(p, ["optimizer.learning_rate=1e-4", "run.steps=7",
                           "optimizer.schedule.kind=wsd", "model.n_layers=3",
                           "optimizer.extra.mode=cf", "optimizer.name=adamw_bc"])
-  assert cfg.optimizer["learning_rate"] == 1e-4
+  assert cfg.optimizer.learning_rate == 1e-4
   assert cfg.run.steps == 7
-  assert cfg.optimizer["schedule"]["kind"] == "wsd"
-  assert cfg.optimizer["schedule"]["total_steps"] == 7  # filled from run.steps
+  assert cfg.optimizer.schedule.kind == "wsd"
+  assert cfg.optimizer.schedule.total_steps == 7  # filled from run.steps
   assert cfg.model["n_layers"] == 3
 
 
@@ -88,7 +88,7 @@ def test_block_shards_fsdp_is_recorded_as_the_fsdp_size_and_another_size_refuses
   raw = tiny_raw(optimizer={"name": "shampoo", "learning_rate": 1e-3,
                             "extra": {"block_shards": "fsdp"}}, mesh={"data": 1, "fsdp": 2})
   cfg = C.from_dict(raw)
-  assert cfg.optimizer["extra"]["block_shards"] == 2
+  assert cfg.optimizer.extra["block_shards"] == 2
   C.dump_config(cfg, tmp_path / "config.yaml")
   assert C.check_resume(C.from_dict(raw), tmp_path) == {}
   raw["mesh"]["fsdp"] = 4
