@@ -109,3 +109,32 @@ def test_the_skip_guard_checks_the_update_unless_the_optimizer_cannot_fail(optim
   from scaleopt.train import loop
   cfg = C.from_dict(tiny_raw(run={"update_guard": guard}, optimizer=optimizer))
   assert loop.check_update(cfg) is checked
+
+
+def test_learning_rate_walks_from_the_cli_into_one_build(tmp_path, monkeypatch):
+  """A config parsed once (file + ``--set optimizer.learning_rate``) reaches the trainer's
+  setup with the schedule made once and the optimizer built once: the setup steps with the
+  build made at validation, and that build carries the overridden learning rate."""
+  import importlib
+  from scaleopt.train import bridge, loop
+  optim_build = importlib.import_module("scaleopt.optim.build")  # the module, not build()
+
+  calls = {"make_schedule": 0, "build": 0}
+
+  def counting(name, fn):
+    def wrapped(*a, **k):
+      calls[name] += 1
+      return fn(*a, **k)
+    return wrapped
+
+  sched = counting("make_schedule", optim_build.make_schedule)
+  monkeypatch.setattr(optim_build, "make_schedule", sched)
+  monkeypatch.setattr(bridge, "make_schedule", sched)
+  monkeypatch.setattr(bridge, "build", counting("build", optim_build.build))
+  path = tmp_path / "run.yaml"
+  path.write_text(yaml.safe_dump(tiny_raw(run={"steps": 10})))
+  cfg = C.load_config(path, ["optimizer.learning_rate=2e-3"])
+  s = loop.setup(cfg)
+  assert calls == {"make_schedule": 1, "build": 1}
+  assert s.tx is cfg.built.tx and s.schedule is cfg.built.schedule
+  assert float(s.schedule(5)) == pytest.approx(2e-3)  # the warmup's end: the peak
