@@ -12,21 +12,25 @@ from scaleopt import models
 from scaleopt.optim.build import OptimizerConfig, build
 from scaleopt.optim.collect import CollectorSpec
 from scaleopt.optim.schedules import make_schedule
+from scaleopt.train.config import ModelKeys, ModelSpec, model_spec
 
 PyTree = Any
 # model-section keys that are not ModelConfig fields (init_from: scaleopt.train.convert)
-MODEL_KEYS = ("preset", "variant", "wd_policy", "init_from")
+MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelKeys))
 
 
-def model_config(section: dict) -> models.ModelConfig:
-  """ModelConfig from the ``model`` section: ``preset`` (default ``tiny``), optional
+def model_config(section) -> models.ModelConfig:
+  """ModelConfig from the ``model`` section (a mapping, or a validated ``ModelSpec``, whose
+  resolved config it returns): ``preset`` (default ``ModelKeys.preset``), optional
   ``variant`` (a scale-vector variant name) and any ModelConfig field as an override."""
+  if isinstance(section, ModelSpec):
+    return section.config
   fields = {f.name for f in dataclasses.fields(models.ModelConfig)}
   bad = [k for k in section if k not in fields and k not in MODEL_KEYS]
   if bad:
     raise ValueError(f"unknown key 'model.{bad[0]}'; allowed: {sorted(MODEL_KEYS)} and the "
                      f"ModelConfig fields {sorted(fields)}")
-  cfg = models.get_preset(section.get("preset", "tiny"))
+  cfg = models.get_preset(section.get("preset", ModelKeys.preset))
   if section.get("variant") is not None:
     cfg = cfg.with_variant(section["variant"])
   over = {k: v for k, v in section.items() if k in fields}
@@ -134,10 +138,12 @@ class Model:
     return logits, jnp.ones(tokens_BxT1[:, 1:].shape, jnp.float32)
 
 
-def make_model(section: dict) -> Model:
-  cfg = model_config(section)
+def make_model(spec) -> Model:
+  """The model of a validated ``ModelSpec`` (a raw section mapping is validated first)."""
+  if not isinstance(spec, ModelSpec):
+    spec = model_spec(spec)
+  cfg = spec.config
   init, apply = models.functional(cfg)
   return Model(cfg=cfg, init=init, apply=apply, loss_apply=models.functional_loss(cfg),
-               nll_apply=models.functional_nll(cfg),
-               wd_policy=section.get("wd_policy", "matrices-only"),
-               init_from=section.get("init_from"))
+               nll_apply=models.functional_nll(cfg), wd_policy=spec.wd_policy,
+               init_from=spec.init_from)

@@ -91,7 +91,7 @@ class MeshConfig:
 class TrainConfig:
   run: RunConfig
   data: DataConfig
-  model: dict  # preset + ModelConfig fields + wd_policy (each typed by ModelConfig's field)
+  model: "ModelSpec"  # preset + ModelConfig fields + wd_policy, the preset resolved once
   optimizer: "OptimizerConfig"  # typed through the optimizer registry (scaleopt.optim)
   mesh: MeshConfig
   # the run's optimizer (tx, spec, schedule: bridge.Built), built once from the sections above
@@ -101,14 +101,14 @@ class TrainConfig:
   def __post_init__(self):
     from scaleopt.train import bridge
     try:
-      self.built = bridge.run_optimizer(self.optimizer,
-                                        self.model.get("wd_policy", ModelKeys.wd_policy))
+      self.built = bridge.run_optimizer(self.optimizer, self.model.wd_policy)
     except (ValueError, TypeError) as e:
       raise ConfigError(f"config section 'optimizer': {e}") from None
 
   def to_dict(self) -> dict:
-    return {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)
-            if f.name != "built"}
+    out = {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)
+           if f.name != "built"}
+    return {**out, "model": to_dict(self.model.section)}
 
 
 _SECTIONS = {"run": RunConfig, "data": DataConfig, "mesh": MeshConfig}
@@ -176,7 +176,18 @@ class ModelKeys:
   init_from: Optional[str] = None  # parameters to start from (scaleopt.train.convert)
 
 
-def _check_model(model: Any) -> dict:
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """The model section, typed: the ``ModelConfig`` its preset, variant and overrides resolve
+  to (resolved once, here), the weight-decay policy and the parameter source; ``section`` is
+  the section as written (keys typed, what the run's config.yaml records)."""
+  config: Any  # scaleopt.models.ModelConfig
+  wd_policy: str
+  init_from: Optional[str]
+  section: dict
+
+
+def model_spec(model: Any) -> ModelSpec:
   """Every key typed (ModelKeys, else the ModelConfig field of that name), then the preset,
   variant and overrides resolved by ``bridge.model_config`` (which checks their values)."""
   from scaleopt import models
@@ -195,10 +206,11 @@ def _check_model(model: Any) -> dict:
   out.update({k: list(v) if isinstance(v, tuple) else v for k, v in typed.items()})
   from scaleopt.train.bridge import model_config
   try:
-    model_config(out)
+    resolved = model_config(out)
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config section 'model': {e}") from None
-  return {k: out[k] for k in model}
+  keys = {**to_dict(ModelKeys()), **out}
+  return ModelSpec(resolved, keys["wd_policy"], keys["init_from"], {k: out[k] for k in model})
 
 
 def _check_finite(node: Any, key: str = "") -> None:
@@ -245,7 +257,7 @@ def from_dict(raw: dict) -> TrainConfig:
                       "directory written by `scaleopt data prepare`)")
   if m.data != -1 and m.data <= 0:
     raise fail("mesh.data", m.data, "must be > 0 or -1 (every device not used by fsdp x tensor)")
-  model = _check_model(raw.get("model") or {})
+  model = model_spec(raw.get("model") or {})
   opt = _check_optimizer(_resolve_block_shards(raw.get("optimizer"), m), r.steps)
   return TrainConfig(model=model, optimizer=opt, **secs)
 

@@ -71,7 +71,7 @@ def out_of_memory(e: BaseException, cfg: TrainConfig) -> Optional[OutOfMemory]:
   lim = re.search(r"[Uu]sed\s+[0-9.]+\s*\S+\s+of\s+" + _SIZE, text)
   pool = _bytes(*lim.groups()) if lim else _pool_bytes()
   limit = f"{pool / _GIB:.2f} GiB" if pool else "unknown"
-  d, mdl = cfg.data, bridge.model_config(cfg.model)
+  d, mdl = cfg.data, cfg.model.config
   return OutOfMemory(
       f"out of device memory: the step asked for {asked}, the device's limit is {limit}; "
       f"lower it with more data.microbatches (now {d.microbatches}: data.batch_size="

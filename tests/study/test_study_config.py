@@ -1,6 +1,7 @@
 """Study configs: grid expansion, overrides, one-line errors with exit code 2, sharding."""
 
 import copy
+import dataclasses
 import json
 import pathlib
 
@@ -30,7 +31,7 @@ def test_bc_tiny_expands_to_2x2x2_ordinary_configs():
   cfg = st.cell_config(c)
   assert cfg.optimizer.name == "adamw_bc" and cfg.optimizer.learning_rate == 1e-2
   assert cfg.optimizer.extra == {"mode": "full", "crossfit": "loo"}
-  assert cfg.run.seed == 1 and cfg.run.steps == 30 and cfg.model["d_model"] == 32
+  assert cfg.run.seed == 1 and cfg.run.steps == 30 and cfg.model.config.d_model == 32
   # the base file's keys survive where the study does not touch them
   assert cfg.optimizer.weight_decay == 0.1 and cfg.data.source == "embedded"
   # lr and seed cells of one arm share a compile group; arms do not
@@ -156,7 +157,8 @@ def test_vmap_engine_only_for_fresh_single_device_cells(tmp_path):
   cells = st.search_cells()
   cfg = st.cell_config(cells[0])
   assert engines.vmap_ok(cfg)
-  cfg.model["init_from"] = "ckpt/some-params"  # starts from given weights: the loop does that
+  cfg = dataclasses.replace(  # starts from given weights: the loop does that
+      cfg, model=dataclasses.replace(cfg.model, init_from="ckpt/some-params"))
   assert not engines.vmap_ok(cfg)
   sizes = [len(u) for u in runner.units(st, cells, tmp_path)]
   assert sizes == [4, 4]  # one group per arm, cells_at_once = 4

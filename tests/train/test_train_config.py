@@ -33,7 +33,7 @@ def test_overrides_parse_as_yaml_and_nest(tmp_path):
   assert cfg.run.steps == 7
   assert cfg.optimizer.schedule.kind == "wsd"
   assert cfg.optimizer.schedule.total_steps == 7  # filled from run.steps
-  assert cfg.model["n_layers"] == 3
+  assert cfg.model.config.n_layers == 3
 
 
 @pytest.mark.parametrize("sections, words", [
@@ -113,13 +113,15 @@ def test_the_skip_guard_checks_the_update_unless_the_optimizer_cannot_fail(optim
 
 def test_learning_rate_walks_from_the_cli_into_one_build(tmp_path, monkeypatch):
   """A config parsed once (file + ``--set optimizer.learning_rate``) reaches the trainer's
-  setup with the schedule made once and the optimizer built once: the setup steps with the
+  setup with the model preset resolved once, the schedule made once and the optimizer built
+  once: the setup steps with the
   build made at validation, and that build carries the overridden learning rate."""
   import importlib
   from scaleopt.train import bridge, loop
   optim_build = importlib.import_module("scaleopt.optim.build")  # the module, not build()
 
-  calls = {"make_schedule": 0, "build": 0}
+  from scaleopt import models
+  calls = {"make_schedule": 0, "build": 0, "get_preset": 0}
 
   def counting(name, fn):
     def wrapped(*a, **k):
@@ -131,10 +133,12 @@ def test_learning_rate_walks_from_the_cli_into_one_build(tmp_path, monkeypatch):
   monkeypatch.setattr(optim_build, "make_schedule", sched)
   monkeypatch.setattr(bridge, "make_schedule", sched)
   monkeypatch.setattr(bridge, "build", counting("build", optim_build.build))
+  monkeypatch.setattr(models, "get_preset", counting("get_preset", models.get_preset))
   path = tmp_path / "run.yaml"
   path.write_text(yaml.safe_dump(tiny_raw(run={"steps": 10})))
   cfg = C.load_config(path, ["optimizer.learning_rate=2e-3"])
   s = loop.setup(cfg)
-  assert calls == {"make_schedule": 1, "build": 1}
+  assert calls == {"make_schedule": 1, "build": 1, "get_preset": 1}
+  assert s.model.cfg is cfg.model.config  # the preset resolved once, at validation
   assert s.tx is cfg.built.tx and s.schedule is cfg.built.schedule
   assert float(s.schedule(5)) == pytest.approx(2e-3)  # the warmup's end: the peak
