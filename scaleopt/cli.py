@@ -48,10 +48,9 @@ def _print_config(path: str, overrides: list[str]) -> int:
   import dataclasses
 
   from scaleopt.config import to_dict
-  from scaleopt.train.bridge import model_config
   print(f"# resolved from {path}" + (f" with {' '.join(overrides)}" if overrides else ""))
   print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
-  built = to_dict(dataclasses.asdict(model_config(cfg.model)))
+  built = to_dict(dataclasses.asdict(cfg.model.config))
   print("# the model as built (scaleopt.models.ModelConfig: preset, variant, overrides):")
   print("".join(f"#   {l}\n" for l in yaml.safe_dump(built, sort_keys=False).splitlines()),
         end="")

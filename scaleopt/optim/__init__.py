@@ -1,7 +1,7 @@
 """Optax transforms for bias-corrected preconditioned optimizers (no Flax imports).
 
 Aliases in optax style (``adamw_bc``, ``sophia``, ``sophia_bc``, ``shampoo``, ``shampoo_bc``,
-``soap``, ``soap_bc``; optax's Lion, Adafactor and schedule-free AdamW through ``build``),
+``soap``, ``soap_bc``, ``muon``; optax's Lion, Adafactor and schedule-free AdamW through ``build``),
 their ``scale_by_*`` blocks, and ``collect``, which derives the per-microbatch statistics a
 chain needs from its optimizer state. ``build(config)`` makes a chain from a config through a
 registry (``register_optimizer``).
@@ -23,8 +23,9 @@ from scaleopt.optim.shampoo_lib import (ScaleByShampooState, ShampooPrecond, in_
 from scaleopt.optim.baselines import eval_params
 from scaleopt.optim.soap_lib import ScaleBySoapState, scale_by_soap, soap, soap_bc
 from scaleopt.optim.schedules import ScheduleConfig, make_schedule
-from scaleopt.optim.build import (OptimizerConfig, build, finite_updates, muon, names,
-                                  register_optimizer, resolved_numerics)
+from scaleopt.optim.muon import muon
+from scaleopt.optim.build import (OptimizerConfig, build, config_class, extra_config,
+                                  finite_updates, names, register_optimizer, resolved_numerics)
 
 __all__ = [
     "BCStats", "CollectorSpec", "GroupStats", "LOOStats", "MicrobatchAxis", "Static",
@@ -35,7 +36,8 @@ __all__ = [
     "ScaleBySophiaState", "SophiaCurvature", "scale_by_sophia", "sophia", "sophia_bc",
     "ScaleByShampooState", "ShampooPrecond", "in_host_memory", "scale_by_shampoo", "shampoo",
     "shampoo_bc",
-    "ScheduleConfig", "make_schedule", "OptimizerConfig", "build", "finite_updates", "muon",
+    "ScheduleConfig", "make_schedule", "OptimizerConfig", "build", "config_class", "extra_config",
+    "finite_updates", "muon",
     "resolved_numerics",
     "names",
     "register_optimizer", "delta", "gnb", "eval_params", "ScaleBySoapState", "scale_by_soap",

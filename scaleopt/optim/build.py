@@ -11,17 +11,20 @@ tells the train step's data pipeline its layout. The train step calls
 ``tx.update(stats.numerator, opt_state, params, bc_stats=stats)``.
 
 Registry (levanter's registered optimizer configs are the model): ``register_optimizer(name,
-factory)`` with ``factory(cfg: OptimizerConfig, learning_rate: schedule, *, wd_mask,
-sparse_filter) -> GradientTransformation``; a factory that also takes a ``shard_dims`` keyword
-gets the model's FSDP dims (``build``'s argument). The shipped names register the same way
-below.
+factory, config=Dataclass)`` with ``factory(cfg: OptimizerConfig, learning_rate: schedule, *,
+wd_mask, sparse_filter) -> GradientTransformation``; ``config`` is the optimizer's own typed
+config, a dataclass of its hyperparameters (its ``extra`` keys) and their defaults
+(``config_class(name)``; ``cfg.hyperparameters()`` is the filled-in instance). A factory that
+also takes a ``shard_dims`` keyword gets the model's FSDP dims (``build``'s argument). The
+shipped names register the same way below (Muon's transform is ``scaleopt.optim.muon``).
 
 Config: a plain dict or an ``OptimizerConfig``. Keys: ``name``, ``learning_rate``,
 ``schedule`` (see ``scaleopt.optim.schedules``), ``clip_norm`` (0 = off), ``clip_numerator_only``
 (the reference code's clip), ``all_dense`` (no embedding branch: ``build`` drops the
 ``sparse_filter``, as the paper's ``--all_dense``), ``weight_decay``, ``b1``, ``b2``, ``eps``
-(None = the optimizer's own default) and ``extra``: keyword arguments of the optimizer's alias (``adamw_bc``,
-``sophia``, ``shampoo``, ...); an unknown one is an error naming it. The bias-corrected names
+(None = the optimizer's own default) and ``extra``: the optimizer's own hyperparameters, the
+fields of its registered config class (keyword arguments of its alias: ``adamw_bc``,
+``sophia``, ``shampoo``, ...); an unknown one is an error naming it and the allowed keys. The bias-corrected names
 also take the collector's microbatching options ``loo_passes``, ``vmap_microbatches`` and
 ``loo_storage``
 (``COLLECTOR_KEYS``), which ``build`` puts into the chain as ``collector_options``.
@@ -38,6 +41,7 @@ import jax.numpy as jnp
 import optax
 
 from scaleopt.optim import adam_bc, baselines, shampoo_lib, soap_lib, sophia_lib
+from scaleopt.optim.muon import muon
 from scaleopt.optim.collect import (CollectorSpec, clip_by_global_norm, collector_options,
                                     collector_spec)
 from scaleopt.optim.schedules import ScheduleConfig, make_schedule
@@ -50,32 +54,68 @@ COLLECTOR_KEYS = ("loo_passes", "vmap_microbatches", "loo_storage")
 
 class Registered(NamedTuple):
   factory: Factory
-  extra_keys: Optional[tuple]  # None: any key (the factory validates)
+  config: Optional[type]  # the dataclass of ``extra``'s keys; None: any key (the factory checks)
   finite_updates: Union[bool, Callable[["OptimizerConfig"], bool]]
 
 
 _REGISTRY: dict[str, Registered] = {}
+_SHARED = ("learning_rate", "lr", "b1", "b2", "eps", "weight_decay", "mask", "wd_mask",
+           "sparse_filter")
+
+
+def extra_config(cls_name: str, *fns: Callable, drop: tuple = (), keep: Optional[tuple] = None,
+                 also: Optional[Mapping[str, Any]] = None) -> type:
+  """A frozen dataclass of an optimizer's own hyperparameters (its ``optimizer.extra`` keys):
+  the keyword arguments of ``fns`` (its alias, and ``collector_options`` for the bias-corrected
+  names) with their defaults, less the keys every optimizer shares (learning rate, betas,
+  weight decay, mask) and ``drop`` (or only ``keep``), plus ``also`` {key: default}. The alias's
+  signature stays the one place each default is written."""
+  fields, seen = [], set()
+  for fn in fns:  # the first function that names a key gives its default
+    for p in inspect.signature(fn).parameters.values():
+      if (p.name in _SHARED or p.name in drop or (keep is not None and p.name not in keep)
+          or p.default is inspect.Parameter.empty or p.kind is p.VAR_KEYWORD
+          or p.name in seen):
+        continue
+      seen.add(p.name)
+      d = p.default
+      f = (dataclasses.field(default_factory=lambda d=d: type(d)(d))
+           if isinstance(d, (list, dict, set)) else dataclasses.field(default=d))
+      fields.append((p.name, Any, f))
+  fields += [(k, Any, dataclasses.field(default=v)) for k, v in (also or {}).items()]
+  return dataclasses.make_dataclass(cls_name, fields, frozen=True)
 
 
 def register_optimizer(name: str, factory: Optional[Factory] = None, *,
-                       extra_keys: Optional[tuple] = None,
+                       config: Optional[type] = None,
                        finite_updates: Union[bool, Callable[["OptimizerConfig"], bool]] = False):
   """Registers ``factory`` under ``name`` (usable as a decorator).
 
   ``factory(cfg, learning_rate, *, wd_mask, sparse_filter)`` returns the transform without
-  clipping (``build`` adds it); ``cfg.betas()`` gives the config's b1, b2, eps that are set.
-  ``extra_keys``: the allowed ``cfg.extra`` keys (validated with the config), None for any.
+  clipping (``build`` adds it); ``cfg.betas()`` gives the config's b1, b2, eps that are set,
+  ``cfg.extra`` the ``optimizer.extra`` keys the user set and ``cfg.hyperparameters()`` all of
+  them typed, defaults filled in.
+  ``config``: a dataclass whose fields are the optimizer's own hyperparameters (the allowed
+  ``optimizer.extra`` keys) with their defaults (``extra_config`` derives one from an alias's
+  signature); None allows any key (the factory validates).
   ``finite_updates``: True, or a predicate of the config, when the update is finite whenever
   the gradient (with a finite global norm), the parameters and the state are. The train step
   then decides a skip from the loss and gradient alone, before the update, and applies the
   update in one pass over the state; leave it False unless that is proven: the step then
   also checks the update's norm.
   """
+  if config is not None and not dataclasses.is_dataclass(config):
+    raise TypeError(f"register_optimizer({name!r}): config must be a dataclass, got {config!r}")
+
   def deco(f):
-    _REGISTRY[name] = Registered(f, None if extra_keys is None else tuple(extra_keys),
-                                 finite_updates)
+    _REGISTRY[name] = Registered(f, config, finite_updates)
     return f
   return deco(factory) if factory is not None else deco
+
+
+def config_class(name: str) -> Optional[type]:
+  """The dataclass of a registered optimizer's own hyperparameters (its ``extra`` keys)."""
+  return _REGISTRY[name].config
 
 
 def names() -> tuple[str, ...]:
@@ -128,7 +168,8 @@ class OptimizerConfig:
       raise ValueError(f"optimizer.extra.sparse_lr_ratio={self.extra['sparse_lr_ratio']!r} "
                        "sets the embedding branch's learning rate; optimizer.all_dense=true "
                        "has no embedding branch (remove one of the two)")
-    allowed = _REGISTRY[self.name].extra_keys
+    own = _REGISTRY[self.name].config
+    allowed = None if own is None else tuple(f.name for f in dataclasses.fields(own))
     for k in self.extra:
       if allowed is not None and k not in allowed:
         raise ValueError(f"optimizer.extra.{k} is not a known key for name={self.name!r}; "
@@ -146,6 +187,12 @@ class OptimizerConfig:
       if k not in allowed:
         raise ValueError(f"optimizer.{k} is not a known key; allowed keys: {allowed}")
     return cls(**dict(d))
+
+  def hyperparameters(self) -> Any:
+    """The optimizer's own hyperparameters typed by its registered config class, every key
+    that ``extra`` leaves out at its default (the ``extra`` mapping when none is registered)."""
+    own = _REGISTRY[self.name].config
+    return dict(self.extra) if own is None else own(**self.extra)
 
   def betas(self) -> dict[str, float]:
     """The b1, b2, eps the config sets (the optimizer's own defaults apply to the others)."""
@@ -168,6 +215,7 @@ def build(config: Union[Mapping[str, Any], OptimizerConfig], *,
           wd_mask: Optional[Union[PyTree, Callable[[PyTree], PyTree]]] = None,
           sparse_filter: Optional[Callable[[PyTree], PyTree]] = None,
           shard_dims: Optional[Callable[[PyTree], PyTree]] = None,
+          schedule: Optional[optax.Schedule] = None,
           ) -> tuple[optax.GradientTransformationExtraArgs, CollectorSpec]:
   """(tx, spec) for an optimizer config.
 
@@ -183,12 +231,14 @@ def build(config: Union[Mapping[str, Any], OptimizerConfig], *,
       splits, or None (``scaleopt.models.fsdp_dims``); passed to factories that take a
       ``shard_dims`` keyword (Shampoo orders its blocks by it unless ``extra.block_major`` is
       ``layers``).
+    schedule: the learning-rate schedule of ``config`` when the caller has made it already
+      (``make_schedule(config.schedule, config.learning_rate)``); None makes it here.
 
   Returns:
     tx: ``optax.GradientTransformationExtraArgs``; spec: ``collector_spec(tx)``.
   """
   cfg = OptimizerConfig.from_dict(config)
-  lr = make_schedule(cfg.schedule, cfg.learning_rate)
+  lr = make_schedule(cfg.schedule, cfg.learning_rate) if schedule is None else schedule
   if cfg.all_dense:
     sparse_filter = None
 
@@ -231,20 +281,12 @@ def resolved_numerics(config: Union[Mapping[str, Any], OptimizerConfig],
   cfg = OptimizerConfig.from_dict(config)
   if not cfg.name.startswith("shampoo"):
     return {}
-  sig = inspect.signature(shampoo_lib.scale_by_shampoo).parameters
-  opt = lambda k: cfg.extra.get(k, sig[k].default)
-  mode = cfg.extra.get("mode", "full" if cfg.name == "shampoo_bc" else "std")
-  out = {k: opt(k) for k in ("matmul_precision", "stats_precision", "newton_precision",
-                             "eigh_implementation")}
+  hp = cfg.hyperparameters()
+  out = {k: getattr(hp, k) for k in ("matmul_precision", "stats_precision", "newton_precision",
+                                     "eigh_implementation")}
   out["root_method"] = shampoo_lib.resolve_root_method(
-      opt("root_method"), mode, backend, opt("d_max"), opt("eigh_implementation"))
+      hp.root_method, hp.mode, backend, hp.d_max, hp.eigh_implementation)
   return out
-
-
-def _kwargs_of(fn: Callable, *drop: str) -> tuple[str, ...]:
-  """Keyword arguments of an alias (the allowed ``extra`` keys), without ``drop``."""
-  skip = {"learning_rate", "b1", "b2", "eps", "weight_decay", "mask"} | set(drop)
-  return tuple(p for p in inspect.signature(fn).parameters if p not in skip)
 
 
 # ----------------------------------------------------------------------------- shipped names
@@ -265,7 +307,8 @@ def _adam_is_finite(cfg) -> bool:
   return _adamw_betas(cfg)["eps"] > 0 and wide
 
 
-@register_optimizer("adamw", extra_keys=("mu_dtype",), finite_updates=_adam_is_finite)
+@register_optimizer("adamw", config=extra_config("AdamWConfig", optax.adamw, keep=("mu_dtype",)),
+                    finite_updates=_adam_is_finite)
 def _adamw(cfg, lr, *, wd_mask, sparse_filter):
   """optax.adamw with the paper's pretraining betas (0.9, 0.95, 1e-8) unless set; extra
   ``mu_dtype`` (e.g. ``bfloat16``) is optax's first-moment dtype."""
@@ -274,11 +317,9 @@ def _adamw(cfg, lr, *, wd_mask, sparse_filter):
                      **cfg.extra)
 
 
-_ADAMW_BC_KEYS = _kwargs_of(adam_bc.adamw_bc, "sparse_filter", "sparse_learning_rate") + (
-    "sparse_lr_ratio",) + COLLECTOR_KEYS
-
-
-@register_optimizer("adamw_bc", extra_keys=_ADAMW_BC_KEYS)
+@register_optimizer("adamw_bc", config=extra_config(
+    "AdamWBCConfig", adam_bc.adamw_bc, collector_options, drop=("sparse_learning_rate",),
+    also={"sparse_lr_ratio": 1.0}))
 def _adamw_bc(cfg, lr, *, wd_mask, sparse_filter):
   ex = dict(cfg.extra)
   ratio = ex.pop("sparse_lr_ratio", 1.0)
@@ -299,10 +340,10 @@ def _sophia_factory(alias):
   return factory
 
 
-_SOPHIA_KEYS = _kwargs_of(sophia_lib.scale_by_sophia)
-register_optimizer("sophia", _sophia_factory(sophia_lib.sophia), extra_keys=_SOPHIA_KEYS)
-register_optimizer("sophia_bc", _sophia_factory(sophia_lib.sophia_bc),
-                   extra_keys=_SOPHIA_KEYS + COLLECTOR_KEYS)
+register_optimizer("sophia", _sophia_factory(sophia_lib.sophia), config=extra_config(
+    "SophiaConfig", sophia_lib.sophia, sophia_lib.scale_by_sophia))
+register_optimizer("sophia_bc", _sophia_factory(sophia_lib.sophia_bc), config=extra_config(
+    "SophiaBCConfig", sophia_lib.sophia_bc, sophia_lib.scale_by_sophia, collector_options))
 
 
 def _shampoo_factory(alias):
@@ -316,83 +357,28 @@ def _shampoo_factory(alias):
   return factory
 
 
-_SHAMPOO_KEYS = _kwargs_of(shampoo_lib.scale_by_shampoo, "exclude")
-register_optimizer("shampoo", _shampoo_factory(shampoo_lib.shampoo), extra_keys=_SHAMPOO_KEYS)
-register_optimizer("shampoo_bc", _shampoo_factory(shampoo_lib.shampoo_bc),
-                   extra_keys=_SHAMPOO_KEYS + COLLECTOR_KEYS)
+register_optimizer("shampoo", _shampoo_factory(shampoo_lib.shampoo), config=extra_config(
+    "ShampooConfig", shampoo_lib.shampoo, shampoo_lib.scale_by_shampoo, drop=("exclude",)))
+register_optimizer("shampoo_bc", _shampoo_factory(shampoo_lib.shampoo_bc), config=extra_config(
+    "ShampooBCConfig", shampoo_lib.shampoo_bc, shampoo_lib.scale_by_shampoo, collector_options,
+    drop=("exclude",)))
 
 
-@register_optimizer("muon", extra_keys=("ns_steps", "nesterov", "adam_b1", "adam_b2",
-                                        "adam_lr_ratio", "consistent_rms"))
+@register_optimizer("muon", config=extra_config("MuonConfig", muon, drop=("beta",)))
 def _muon_factory(cfg, lr, *, wd_mask, sparse_filter):
   b = {"b1": 0.95, "eps": 1e-8, **cfg.betas()}
   return muon(lr, b["b1"], b["eps"], cfg.weight_decay, wd_mask, sparse_filter, **cfg.extra)
 
 
-def _scale_by_shape(consistent_rms: Optional[float]) -> optax.GradientTransformation:
-  """optax.contrib.muon's shape scaling for matrices (last two dims fan_in, fan_out):
-  sqrt(max(1, fan_out / fan_in)), or consistent_rms sqrt(max(fan_in, fan_out))."""
-  def scale(u):
-    if isinstance(u, optax.MaskedNode):
-      return u
-    fan_in, fan_out = u.shape[-2], u.shape[-1]
-    if consistent_rms is None:
-      return jnp.sqrt(jnp.maximum(1.0, fan_out / fan_in)) * u
-    return (jnp.sqrt(max(fan_in, fan_out)) * consistent_rms) * u
-
-  return optax.stateless(lambda u, p: jax.tree.map(
-      scale, u, is_leaf=lambda x: isinstance(x, optax.MaskedNode)))
-
-
-def muon(lr, beta=0.95, eps=1e-8, weight_decay=0.1, wd_mask=None, sparse_filter=None, *,
-         ns_steps=5, nesterov=True, adam_b1=0.9, adam_b2=0.95, adam_lr_ratio=1.0,
-         consistent_rms=None) -> optax.GradientTransformation:
-  """Muon for matrices, Adam for the rest, with decoupled weight decay under ``wd_mask`` on
-  both and one learning-rate schedule:
-
-      matrices: optax.contrib.scale_by_muon (Newton-Schulz orthogonalized momentum), times
-                optax.contrib.muon's shape factor
-      others:   optax.scale_by_adam(adam_b1, adam_b2, eps) times ``adam_lr_ratio``
-      then:     add_decayed_weights(weight_decay, wd_mask), scale_by_learning_rate(lr)
-
-  Matrices are rank >= 2 tensors (leading axes of rank >= 3 tensors are stacked layers; a
-  rank-2 tensor whose first dim is such a stack size is a stack of vectors), except
-  ``sparse_filter`` tensors (embeddings), which take Adam. With ``weight_decay=0`` and
-  ``adam_lr_ratio=1`` this is ``optax.contrib.muon`` step for step.
-  """
-  from optax.contrib import MuonDimensionNumbers, scale_by_muon
-
-  def labels(params):
-    leaves, td = jax.tree.flatten(params)
-    sparse = (td.flatten_up_to(sparse_filter(params)) if sparse_filter is not None
-              else [False] * len(leaves))
-    stacks = {x.shape[0] for x in leaves if x.ndim >= 3}
-    lab = ["muon" if (x.ndim >= 3 or (x.ndim == 2 and x.shape[0] not in stacks)) and not sp
-           else "adam" for x, sp in zip(leaves, sparse)]
-    return jax.tree.unflatten(td, lab)
-
-  def dims(masked):
-    return jax.tree.map(
-        lambda x: x if isinstance(x, optax.MaskedNode) else MuonDimensionNumbers(
-            reduction_axis=x.ndim - 2, output_axis=x.ndim - 1),
-        masked, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-
-  branch = optax.chain(scale_by_muon(ns_steps=ns_steps, beta=beta, eps=eps, nesterov=nesterov,
-                                     weight_dimension_numbers=dims),
-                       _scale_by_shape(consistent_rms))
-  adam = optax.chain(optax.scale_by_adam(adam_b1, adam_b2, eps, nesterov=nesterov),
-                     optax.scale(adam_lr_ratio))
-  return optax.chain(optax.partition({"muon": branch, "adam": adam}, labels),
-                     optax.add_decayed_weights(weight_decay, wd_mask),
-                     optax.scale_by_learning_rate(lr))
-
-
 # optax's own Lion, Adafactor and schedule-free AdamW (``scaleopt.optim.baselines``)
-register_optimizer("lion", baselines.lion, extra_keys=("mu_dtype",))
-register_optimizer("adafactor", baselines.adafactor, extra_keys=_kwargs_of(
-    optax.adafactor, "momentum", "weight_decay_rate", "weight_decay_mask"))
+register_optimizer("lion", baselines.lion,
+                   config=extra_config("LionConfig", optax.lion, keep=("mu_dtype",)))
+register_optimizer("adafactor", baselines.adafactor, config=extra_config(
+    "AdafactorConfig", optax.adafactor,
+    drop=("momentum", "weight_decay_rate", "weight_decay_mask")))
 register_optimizer("schedule_free_adamw", baselines.schedule_free_adamw,
-                   extra_keys=("weight_lr_power", "state_dtype"))
+                   config=extra_config("ScheduleFreeAdamWConfig", optax.contrib.schedule_free,
+                                       keep=("weight_lr_power", "state_dtype")))
 
 
 def _soap_factory(alias):
@@ -408,7 +394,7 @@ def _soap_factory(alias):
   return factory
 
 
-_SOAP_KEYS = _kwargs_of(soap_lib.scale_by_soap)
-register_optimizer("soap", _soap_factory(soap_lib.soap), extra_keys=_SOAP_KEYS)
-register_optimizer("soap_bc", _soap_factory(soap_lib.soap_bc),
-                   extra_keys=_SOAP_KEYS + COLLECTOR_KEYS)
+register_optimizer("soap", _soap_factory(soap_lib.soap), config=extra_config(
+    "SoapConfig", soap_lib.soap, soap_lib.scale_by_soap))
+register_optimizer("soap_bc", _soap_factory(soap_lib.soap_bc), config=extra_config(
+    "SoapBCConfig", soap_lib.soap_bc, soap_lib.scale_by_soap, collector_options))

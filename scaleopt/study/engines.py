@@ -39,7 +39,7 @@ def vmap_ok(cfg: TrainConfig) -> bool:
   and with an optimizer of ``LR_LINEAR``; other cells fall back to the loop engine."""
   m = cfg.mesh
   one = jax.device_count() == 1 or (m.data == 1 and m.fsdp == 1 and m.tensor == 1)
-  return one and not cfg.model.get("init_from") and cfg.optimizer["name"] in LR_LINEAR
+  return one and not cfg.model.init_from and cfg.optimizer.name in LR_LINEAR
 
 
 def gradient_passes(cfg: TrainConfig, spec, steps: int) -> float:

@@ -129,7 +129,7 @@ def units(st: Study, cells: list[Cell], out: pathlib.Path) -> list[list[Cell]]:
   out_units = []
   for (gk, _), cs in groups.items():
     cfg = st.cell_config(cs[0])
-    size = (min(st.cells_at_once, fits(out, gk)) if cfg.optimizer["name"] in engines.VMAP_SAFE
+    size = (min(st.cells_at_once, fits(out, gk)) if cfg.optimizer.name in engines.VMAP_SAFE
             and engines.vmap_ok(cfg) else 1)
     out_units += [cs[i:i + size] for i in range(0, len(cs), size)]
   return out_units

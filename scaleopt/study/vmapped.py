@@ -57,7 +57,7 @@ def lr_scaled(tx: optax.GradientTransformation, lr: jax.Array
 
 def unit_lr_config(cfg: TrainConfig) -> TrainConfig:
   """The cell's config with peak learning rate 1 (the schedule's shape)."""
-  return dataclasses.replace(cfg, optimizer={**cfg.optimizer, "learning_rate": 1.0})
+  return dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, learning_rate=1.0))
 
 
 def _cellwise(fn: Callable, in_axes: tuple, n: int) -> Callable:
@@ -157,7 +157,7 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
     raise ValueError("the vmapped cell engine runs on one device; use engine.kind=loop")
   r, d = cfgs[0].run, cfgs[0].data
   seeds = [c.run.seed for c in cfgs]
-  lrs = jnp.asarray([c.optimizer["learning_rate"] for c in cfgs], jnp.float32)
+  lrs = jnp.asarray([c.optimizer.learning_rate for c in cfgs], jnp.float32)
   shared = len(set(seeds)) == 1
   fns = group_fns(s, n, shared, key)
   groups, rolling = s.spec.num_groups, s.spec.layout == "rolling_b"
@@ -256,7 +256,7 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
         "wall_time_s": wall / n, "group_wall_time_s": wall, "cells_at_once": n,
         "compile_s": meter.compile_s, "tokens_per_s": tps,
         "params": models.count_params(s.model.cfg), "mfu": None,
-        "flops_per_token": flops, "optimizer": c.optimizer["name"], "layout": s.spec.layout,
+        "flops_per_token": flops, "optimizer": c.optimizer.name, "layout": s.spec.layout,
         "sweeps_per_step": bridge.passes_per_step(s.spec), "devices": 1,
         "device_kind": jax.devices()[0].device_kind, "resumed_from": resume_step,
         "stopped_early": stopped or bool(diverged[i]),
@@ -265,8 +265,8 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
     metrics.write_summary(dd, summ)
     summaries.append(summ)
     if r.plot:
-      metrics.plot_curves({c.optimizer["name"]: metrics.read_metrics(dd / "metrics.jsonl")},
-                          dd / "loss.png", title=f"lr {c.optimizer['learning_rate']:g}, "
+      metrics.plot_curves({c.optimizer.name: metrics.read_metrics(dd / "metrics.jsonl")},
+                          dd / "loss.png", title=f"lr {c.optimizer.learning_rate:g}, "
                           f"seed {c.run.seed}")
   return GroupResult(status, [float(v) for v in val], [float(v) for v in test],
                      [float(v) for v in last_losses], summaries, wall, s.spec)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -12,21 +12,25 @@ from scaleopt import models
 from scaleopt.optim.build import OptimizerConfig, build
 from scaleopt.optim.collect import CollectorSpec
 from scaleopt.optim.schedules import make_schedule
+from scaleopt.train.config import ModelKeys, ModelSpec, model_spec
 
 PyTree = Any
 # model-section keys that are not ModelConfig fields (init_from: scaleopt.train.convert)
-MODEL_KEYS = ("preset", "variant", "wd_policy", "init_from")
+MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelKeys))
 
 
-def model_config(section: dict) -> models.ModelConfig:
-  """ModelConfig from the ``model`` section: ``preset`` (default ``tiny``), optional
+def model_config(section) -> models.ModelConfig:
+  """ModelConfig from the ``model`` section (a mapping, or a validated ``ModelSpec``, whose
+  resolved config it returns): ``preset`` (default ``ModelKeys.preset``), optional
   ``variant`` (a scale-vector variant name) and any ModelConfig field as an override."""
+  if isinstance(section, ModelSpec):
+    return section.config
   fields = {f.name for f in dataclasses.fields(models.ModelConfig)}
   bad = [k for k in section if k not in fields and k not in MODEL_KEYS]
   if bad:
     raise ValueError(f"unknown key 'model.{bad[0]}'; allowed: {sorted(MODEL_KEYS)} and the "
                      f"ModelConfig fields {sorted(fields)}")
-  cfg = models.get_preset(section.get("preset", "tiny"))
+  cfg = models.get_preset(section.get("preset", ModelKeys.preset))
   if section.get("variant") is not None:
     cfg = cfg.with_variant(section["variant"])
   over = {k: v for k, v in section.items() if k in fields}
@@ -40,11 +44,31 @@ def optimizer_config(section: dict) -> OptimizerConfig:
   return OptimizerConfig.from_dict(section)
 
 
-def build_optimizer(section: dict, wd_mask, sparse_filter, shard_dims=None):
-  """(tx, spec, schedule) for the optimizer section; ``schedule`` is for the lr metric."""
+class Built(NamedTuple):
+  """A run's optimizer: the chain, its collector spec and its learning-rate schedule (one
+  schedule, which the chain steps with and the lr metric reads)."""
+  tx: Any
+  spec: CollectorSpec
+  schedule: Callable
+
+
+def build_optimizer(section, wd_mask=None, sparse_filter=None, shard_dims=None) -> Built:
+  """(tx, spec, schedule) for the optimizer section (a mapping or ``OptimizerConfig``):
+  the schedule is made once and passed to ``optim.build``."""
   cfg = OptimizerConfig.from_dict(section)
-  tx, spec = build(cfg, wd_mask=wd_mask, sparse_filter=sparse_filter, shard_dims=shard_dims)
-  return tx, spec, make_schedule(cfg.schedule, cfg.learning_rate)
+  schedule = make_schedule(cfg.schedule, cfg.learning_rate)
+  tx, spec = build(cfg, wd_mask=wd_mask, sparse_filter=sparse_filter, shard_dims=shard_dims,
+                   schedule=schedule)
+  return Built(tx, spec, schedule)
+
+
+def run_optimizer(section, wd_policy: str) -> Built:
+  """The optimizer a training run steps with: weight decay under ``wd_policy``, embeddings
+  through ``sparse_filter``, Shampoo's blocks ordered by the model's FSDP dims. Every argument
+  is a function of the parameters, so it is built from the config alone (once, when the
+  config is validated: ``TrainConfig.optimizer_built``)."""
+  return build_optimizer(section, wd_mask=lambda p: models.weight_decay_mask(p, wd_policy),
+                         sparse_filter=sparse_filter, shard_dims=models.fsdp_dims)
 
 
 def sparse_filter(params: PyTree) -> PyTree:
@@ -114,10 +138,12 @@ class Model:
     return logits, jnp.ones(tokens_BxT1[:, 1:].shape, jnp.float32)
 
 
-def make_model(section: dict) -> Model:
-  cfg = model_config(section)
+def make_model(spec) -> Model:
+  """The model of a validated ``ModelSpec`` (a raw section mapping is validated first)."""
+  if not isinstance(spec, ModelSpec):
+    spec = model_spec(spec)
+  cfg = spec.config
   init, apply = models.functional(cfg)
   return Model(cfg=cfg, init=init, apply=apply, loss_apply=models.functional_loss(cfg),
-               nll_apply=models.functional_nll(cfg),
-               wd_policy=section.get("wd_policy", "matrices-only"),
-               init_from=section.get("init_from"))
+               nll_apply=models.functional_nll(cfg), wd_policy=spec.wd_policy,
+               init_from=spec.init_from)

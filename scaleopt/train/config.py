@@ -27,8 +27,10 @@ import time
 import typing
 from typing import Any, Literal, Optional
 
-import jax
 import yaml
+
+if typing.TYPE_CHECKING:
+  from scaleopt.optim import OptimizerConfig
 
 from scaleopt.config import (ConfigError, apply_overrides as _apply_overrides, check_keys,
                              choice, convert, fail, numbers, parse, read_yaml, spec, to_dict,
@@ -89,12 +91,24 @@ class MeshConfig:
 class TrainConfig:
   run: RunConfig
   data: DataConfig
-  model: dict  # preset + ModelConfig fields + wd_policy (each typed by ModelConfig's field)
-  optimizer: dict  # resolved OptimizerConfig (typed through the optimizer registry)
+  model: "ModelSpec"  # preset + ModelConfig fields + wd_policy, the preset resolved once
+  optimizer: "OptimizerConfig"  # typed through the optimizer registry (scaleopt.optim)
   mesh: MeshConfig
+  # the run's optimizer (tx, spec, schedule: bridge.Built), built once from the sections above
+  # when the config is made (nothing is traced); the trainer steps with it. Not recorded.
+  built: Any = dataclasses.field(init=False, repr=False, compare=False)
+
+  def __post_init__(self):
+    from scaleopt.train import bridge
+    try:
+      self.built = bridge.run_optimizer(self.optimizer, self.model.wd_policy)
+    except (ValueError, TypeError) as e:
+      raise ConfigError(f"config section 'optimizer': {e}") from None
 
   def to_dict(self) -> dict:
-    return to_dict(self)
+    out = {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)
+           if f.name != "built"}
+    return {**out, "model": to_dict(self.model.section)}
 
 
 _SECTIONS = {"run": RunConfig, "data": DataConfig, "mesh": MeshConfig}
@@ -104,9 +118,9 @@ def _check_optimizer(opt: Any, steps: int) -> dict:
   """The optimizer section typed through the optimizer registry: ``name`` is a registered name
   (``scaleopt.optim.names()``), every other key is typed by ``OptimizerConfig``'s field of that
   name, ``schedule`` by ``ScheduleConfig`` (``total_steps`` defaults to ``run.steps``) and
-  ``extra`` by the registered keys; then the optimizer is built (pure Python, nothing is
-  traced), which checks the values of ``extra``. Returns the resolved section: every key, with
-  its default where the file sets none."""
+  ``extra`` by the optimizer's registered config class. Returns the typed ``OptimizerConfig``
+  (every key, with its default where the file sets none); ``TrainConfig`` then builds the
+  optimizer once (pure Python, nothing is traced), which checks the values of ``extra``."""
   from scaleopt import optim
   from scaleopt.optim.schedules import ScheduleConfig
   if not isinstance(opt, dict):
@@ -126,17 +140,9 @@ def _check_optimizer(opt: Any, steps: int) -> dict:
   kw["extra"] = convert(opt.get("extra") or {}, dict, "optimizer.extra")
   try:
     kw["schedule"] = parse(ScheduleConfig, sched, "optimizer.schedule")
-    cfg = optim.OptimizerConfig(**kw)
-    # the trainer passes its embedding filter (train/bridge.py); one that marks nothing
-    # stands in for it here (a filter routes tensors, it does not change what is valid)
-    optim.build(cfg, sparse_filter=_NO_SPARSE)
+    return optim.OptimizerConfig(**kw)  # built (values checked) by TrainConfig
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config section 'optimizer': {e}") from None
-  return to_dict(cfg)
-
-
-def _NO_SPARSE(params):
-  return jax.tree.map(lambda _: False, params)
 
 
 def _fit_warmup(sched: dict) -> dict:
@@ -170,7 +176,18 @@ class ModelKeys:
   init_from: Optional[str] = None  # parameters to start from (scaleopt.train.convert)
 
 
-def _check_model(model: Any) -> dict:
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """The model section, typed: the ``ModelConfig`` its preset, variant and overrides resolve
+  to (resolved once, here), the weight-decay policy and the parameter source; ``section`` is
+  the section as written (keys typed, what the run's config.yaml records)."""
+  config: Any  # scaleopt.models.ModelConfig
+  wd_policy: str
+  init_from: Optional[str]
+  section: dict
+
+
+def model_spec(model: Any) -> ModelSpec:
   """Every key typed (ModelKeys, else the ModelConfig field of that name), then the preset,
   variant and overrides resolved by ``bridge.model_config`` (which checks their values)."""
   from scaleopt import models
@@ -189,10 +206,11 @@ def _check_model(model: Any) -> dict:
   out.update({k: list(v) if isinstance(v, tuple) else v for k, v in typed.items()})
   from scaleopt.train.bridge import model_config
   try:
-    model_config(out)
+    resolved = model_config(out)
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config section 'model': {e}") from None
-  return {k: out[k] for k in model}
+  keys = {**to_dict(ModelKeys()), **out}
+  return ModelSpec(resolved, keys["wd_policy"], keys["init_from"], {k: out[k] for k in model})
 
 
 def _check_finite(node: Any, key: str = "") -> None:
@@ -239,7 +257,7 @@ def from_dict(raw: dict) -> TrainConfig:
                       "directory written by `scaleopt data prepare`)")
   if m.data != -1 and m.data <= 0:
     raise fail("mesh.data", m.data, "must be > 0 or -1 (every device not used by fsdp x tensor)")
-  model = _check_model(raw.get("model") or {})
+  model = model_spec(raw.get("model") or {})
   opt = _check_optimizer(_resolve_block_shards(raw.get("optimizer"), m), r.steps)
   return TrainConfig(model=model, optimizer=opt, **secs)
 

@@ -71,7 +71,7 @@ def out_of_memory(e: BaseException, cfg: TrainConfig) -> Optional[OutOfMemory]:
   lim = re.search(r"[Uu]sed\s+[0-9.]+\s*\S+\s+of\s+" + _SIZE, text)
   pool = _bytes(*lim.groups()) if lim else _pool_bytes()
   limit = f"{pool / _GIB:.2f} GiB" if pool else "unknown"
-  d, mdl = cfg.data, bridge.model_config(cfg.model)
+  d, mdl = cfg.data, cfg.model.config
   return OutOfMemory(
       f"out of device memory: the step asked for {asked}, the device's limit is {limit}; "
       f"lower it with more data.microbatches (now {d.microbatches}: data.batch_size="
@@ -203,10 +203,7 @@ def setup(cfg: TrainConfig) -> Setup:
       convert.check_matches(convert.open_source(model.init_from), model.cfg)
     except convert.SourceError as e:
       raise ConfigError(str(e)) from None
-  wd_policy = model.wd_policy
-  tx, spec, schedule = bridge.build_optimizer(
-      cfg.optimizer, wd_mask=lambda p: models.weight_decay_mask(p, wd_policy),
-      sparse_filter=bridge.sparse_filter, shard_dims=models.fsdp_dims)
+  tx, spec, schedule = cfg.built
   d = cfg.data
   train_w, vocab = data.open_split(d.source, d.path, "train", d.seq_len)
   val_w, _ = data.open_split(d.source, d.path, "val", d.seq_len)
@@ -470,7 +467,7 @@ def dry_run(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False)
         (-(-ev.n // eval_microbatch(cfg)), eval_microbatch(cfg), d.seq_len + 1), np.int32))
   extra = f"; resumable changes: {', '.join(changes)}" if changes else ""
   return (f"config ok: {models.count_params(s.model.cfg):,} parameters, optimizer "
-          f"{cfg.optimizer['name']} ({s.spec.layout}), {s.train_w.n:,} training windows, "
+          f"{cfg.optimizer.name} ({s.spec.layout}), {s.train_w.n:,} training windows, "
           f"{ev.n if ev else 0} eval windows, mesh {dict(s.mesh.shape)}{extra}")
 
 
@@ -574,9 +571,9 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
   if is_main:
     metrics.write_summary(out, summary)
     if r.plot:
-      metrics.plot_curves({cfg.optimizer["name"]: metrics.read_metrics(out / "metrics.jsonl")},
+      metrics.plot_curves({cfg.optimizer.name: metrics.read_metrics(out / "metrics.jsonl")},
                           out / "loss.png", title=f"{s.model.cfg.d_model}d x "
-                          f"{s.model.cfg.n_layers}L, {cfg.optimizer['name']}")
+                          f"{s.model.cfg.n_layers}L, {cfg.optimizer.name}")
   _raise_for_stop(res, ckpt, r.max_consecutive_skips)
   return summary
 
@@ -590,9 +587,9 @@ def state_format(cfg: TrainConfig) -> dict:
   ``layers``: stacked layers first, ``optimizer.extra.block_major: layers``). A checkpoint
   without the record holds the ``layers`` order."""
   opt = cfg.optimizer
-  if not str(opt.get("name", "")).startswith("shampoo"):
+  if not opt.name.startswith("shampoo"):
     return {}
-  return {"shampoo_blocks": "layers" if (opt.get("extra") or {}).get("block_major") == "layers"
+  return {"shampoo_blocks": "layers" if opt.hyperparameters().block_major == "layers"
           else "major"}
 
 
@@ -683,7 +680,7 @@ def _summary(cfg: TrainConfig, s: Setup, res: _Outcome, meter: _Meter, start) ->
       "compile_s": meter.compile_s, "tokens_per_s": tps_run,
       "params": models.count_params(s.model.cfg),
       "mfu": tps_run * flops_per_token / peak_all if peak_all else None,
-      "skipped_steps": res.last_row.get("skipped", 0), "optimizer": cfg.optimizer["name"],
+      "skipped_steps": res.last_row.get("skipped", 0), "optimizer": cfg.optimizer.name,
       "layout": s.spec.layout, "sweeps_per_step": bridge.passes_per_step(s.spec),
       "optimizer_numerics": optim.resolved_numerics(cfg.optimizer),
       "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,

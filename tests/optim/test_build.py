@@ -1,5 +1,6 @@
 """build(config) and schedules: chains, specs, validation messages, weight-decay masks."""
 
+import dataclasses
 import math
 
 import jax
@@ -191,10 +192,14 @@ def test_muon_matches_optax_contrib_muon():
 
 def test_registry_adds_a_user_optimizer_by_name():
   """A user registers a name from their own code; build and config validation use it."""
-  @register_optimizer("lion_test", extra_keys=("b",))
+  @dataclasses.dataclass(frozen=True)
+  class LionTest:
+    b: float = 0.9
+
+  @register_optimizer("lion_test", config=LionTest)
   def _lion(cfg, lr, *, wd_mask, sparse_filter):
     del sparse_filter
-    return optax.lion(lr, b1=cfg.extra.get("b", 0.9), weight_decay=cfg.weight_decay,
+    return optax.lion(lr, b1=cfg.hyperparameters().b, weight_decay=cfg.weight_decay,
                       mask=wd_mask)
 
   assert "lion_test" in names()
@@ -271,3 +276,36 @@ def test_resolved_numerics_name_the_root_method_a_run_executes():
   assert resolved_numerics({"name": "shampoo", "extra": {"root_method": "eigh"}},
                            backend="gpu")["root_method"] == "eigh"
   assert resolved_numerics({"name": "adamw"}) == {}
+
+
+SHIPPED = ("adamw", "adamw_bc", "sophia", "sophia_bc", "shampoo", "shampoo_bc", "muon", "lion",
+           "adafactor", "schedule_free_adamw", "soap", "soap_bc")
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_typed_defaults_are_the_optimizers_own(name):
+  """Every key of an optimizer's typed config, written out at its default, builds the same
+  optimizer as leaving ``extra`` empty: the same collector spec and, one step from the same
+  state, the same update (so no typed default differs from the one the alias applies)."""
+  hp = dataclasses.asdict(so.config_class(name)())
+  base = {"name": name, "learning_rate": 1e-2, "schedule": {"kind": "constant"}}
+  tx0, spec0 = build(base)
+  tx1, spec1 = build(dict(base, extra=hp))
+  assert spec0 == spec1
+  if spec0.layout != "all" or spec0.estimator is not None:
+    return  # the spec carries what a bias-corrected or estimator name collects
+  params = {"w": jnp.arange(12.0).reshape(3, 4) / 7, "b": jnp.ones((4,))}
+  g = jax.tree.map(lambda x: jnp.cos(x * 3.0), params)
+  u0, _ = tx0.update(g, tx0.init(params), params)
+  u1, _ = tx1.update(g, tx1.init(params), params)
+  for k in params:
+    np.testing.assert_array_equal(np.asarray(u0[k]), np.asarray(u1[k]))
+
+
+def test_typed_config_fills_defaults_and_names_unknown_keys():
+  cfg = OptimizerConfig(name="muon", extra={"ns_steps": 3})
+  hp = cfg.hyperparameters()
+  assert (hp.ns_steps, hp.adam_lr_ratio) == (3, 1.0)
+  assert OptimizerConfig(name="shampoo_bc").hyperparameters().mode == "full"
+  with pytest.raises(ValueError, match=r"optimizer.extra.ns_step is not a known key.*ns_steps"):
+    OptimizerConfig(name="muon", extra={"ns_step": 3})

@@ -1,6 +1,7 @@
 """Study configs: grid expansion, overrides, one-line errors with exit code 2, sharding."""
 
 import copy
+import dataclasses
 import json
 import pathlib
 
@@ -28,11 +29,11 @@ def test_bc_tiny_expands_to_2x2x2_ordinary_configs():
       (a, lr, s) for a in ("adamw", "adamw_bc") for lr in (3e-3, 1e-2) for s in (0, 1)}
   c = next(c for c in cells if c.arm == "adamw_bc" and c.lr == 1e-2 and c.seed == 1)
   cfg = st.cell_config(c)
-  assert cfg.optimizer["name"] == "adamw_bc" and cfg.optimizer["learning_rate"] == 1e-2
-  assert cfg.optimizer["extra"] == {"mode": "full", "crossfit": "loo"}
-  assert cfg.run.seed == 1 and cfg.run.steps == 30 and cfg.model["d_model"] == 32
+  assert cfg.optimizer.name == "adamw_bc" and cfg.optimizer.learning_rate == 1e-2
+  assert cfg.optimizer.extra == {"mode": "full", "crossfit": "loo"}
+  assert cfg.run.seed == 1 and cfg.run.steps == 30 and cfg.model.config.d_model == 32
   # the base file's keys survive where the study does not touch them
-  assert cfg.optimizer["weight_decay"] == 0.1 and cfg.data.source == "embedded"
+  assert cfg.optimizer.weight_decay == 0.1 and cfg.data.source == "embedded"
   # lr and seed cells of one arm share a compile group; arms do not
   keys = {(c.arm, SC.group_key(st.cell_config(c))) for c in cells}
   assert len({k for _, k in keys}) == 2
@@ -45,7 +46,7 @@ def test_grid_per_arm_lrs_best_lr_seeds_and_overrides():
   st = SC.from_dict(SC.apply_overrides(raw, ["run.steps=7", "seeds=[5]",
                                              "grid.data.microbatches=[2, 4]",
                                              "arms.adamw.optimizer.weight_decay=0.0"]), BC_TINY)
-  assert st.cell_config(st.search_cells()[0]).optimizer["weight_decay"] == 0.0
+  assert st.cell_config(st.search_cells()[0]).optimizer.weight_decay == 0.0
   cells = st.search_cells()
   assert len(cells) == 2 * 1 * 2 + 3 * 1 * 2  # (adamw 2 lrs + bc 3 lrs) x 1 seed x 2 grid
   assert all(st.cell_config(c).run.steps == 7 for c in cells)
@@ -156,7 +157,8 @@ def test_vmap_engine_only_for_fresh_single_device_cells(tmp_path):
   cells = st.search_cells()
   cfg = st.cell_config(cells[0])
   assert engines.vmap_ok(cfg)
-  cfg.model["init_from"] = "ckpt/some-params"  # starts from given weights: the loop does that
+  cfg = dataclasses.replace(  # starts from given weights: the loop does that
+      cfg, model=dataclasses.replace(cfg.model, init_from="ckpt/some-params"))
   assert not engines.vmap_ok(cfg)
   sizes = [len(u) for u in runner.units(st, cells, tmp_path)]
   assert sizes == [4, 4]  # one group per arm, cells_at_once = 4

@@ -112,16 +112,16 @@ def test_paper_study_plan_follows_the_paper():
   cfg = {c.arm: st.cell_config(c) for c in cells}
   for arm, c in cfg.items():
     assert c.run.steps * c.data.batch_size * c.data.seq_len == 262_144_000
-    assert (c.data.batch_size, c.data.microbatches, c.optimizer["schedule"]["warmup_steps"]) == (
+    assert (c.data.batch_size, c.data.microbatches, c.optimizer.schedule.warmup_steps) == (
         512, 64, 20)
     assert c.run.eval_tokens >= 2_000_000
     o = c.optimizer
     split = arm in ("adamw_split", "loo_paper", "loo", "cf_loo")
     dense = 9e-4 if split else 6e-4
-    embed = dense * o["extra"].get("sparse_lr_ratio", 1.0)
-    assert math.isclose(o["learning_rate"], dense) and math.isclose(embed, 6e-4, rel_tol=1e-6)
-    assert o["schedule"]["min_lr_ratio"] == (0.2 if split else 0.0)
-    assert o["clip_norm"] == 1.0 and o["clip_numerator_only"] == (arm == "loo_paper")
+    embed = dense * o.extra.get("sparse_lr_ratio", 1.0)
+    assert math.isclose(o.learning_rate, dense) and math.isclose(embed, 6e-4, rel_tol=1e-6)
+    assert o.schedule.min_lr_ratio == (0.2 if split else 0.0)
+    assert o.clip_norm == 1.0 and o.clip_numerator_only == (arm == "loo_paper")
   assert [(a, b) for a, b, _ in st.contrasts] == [
       ("loo_paper", "adamw"), ("adamw_split", "adamw"), ("cf_loo", "adamw_split"),
       ("loo", "cf_loo"), ("loo_paper", "loo")]

@@ -27,7 +27,7 @@ def _loss(arm, lr, seed):  # an arbitrary, cell-specific number the fake engine 
 
 def _fake_run(cfg, d):
   """What a finished training run leaves in its folder, plus the engine's result dict."""
-  lr, seed = cfg.optimizer["learning_rate"], cfg.run.seed
+  lr, seed = cfg.optimizer.learning_rate, cfg.run.seed
   arm = d.parent.name
   v = _loss(arm, lr, seed)
   d.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from scaleopt import cli
-from scaleopt.config import ConfigError, configs_dir, resolve_config
+from scaleopt.config import ConfigError, configs_dir, resolve_config, to_dict
 from scaleopt.train import config as C
 
 from train_helpers import tiny_raw
@@ -48,7 +48,7 @@ def test_readme_config_paths_work_from_any_folder(tmp_path, monkeypatch):
 def _sched(steps, **sched):
   raw = tiny_raw(run={"steps": steps})
   raw["optimizer"]["schedule"] = sched
-  return C.from_dict(raw).optimizer["schedule"]
+  return to_dict(C.from_dict(raw).optimizer.schedule)
 
 
 def test_short_run_fits_the_warmup_with_a_notice(capsys):

@@ -19,7 +19,7 @@ def test_every_shipped_config_loads():
   names = set()
   for f in files:
     cfg = C.load_config(f)
-    names.add(cfg.optimizer["name"])
+    names.add(cfg.optimizer.name)
   assert {"adamw", "adamw_bc"} <= names
 
 
@@ -29,11 +29,11 @@ def test_overrides_parse_as_yaml_and_nest(tmp_path):
   cfg = C.load_config(p, ["optimizer.learning_rate=1e-4", "run.steps=7",
                           "optimizer.schedule.kind=wsd", "model.n_layers=3",
                           "optimizer.extra.mode=cf", "optimizer.name=adamw_bc"])
-  assert cfg.optimizer["learning_rate"] == 1e-4
+  assert cfg.optimizer.learning_rate == 1e-4
   assert cfg.run.steps == 7
-  assert cfg.optimizer["schedule"]["kind"] == "wsd"
-  assert cfg.optimizer["schedule"]["total_steps"] == 7  # filled from run.steps
-  assert cfg.model["n_layers"] == 3
+  assert cfg.optimizer.schedule.kind == "wsd"
+  assert cfg.optimizer.schedule.total_steps == 7  # filled from run.steps
+  assert cfg.model.config.n_layers == 3
 
 
 @pytest.mark.parametrize("sections, words", [
@@ -88,7 +88,7 @@ def test_block_shards_fsdp_is_recorded_as_the_fsdp_size_and_another_size_refuses
   raw = tiny_raw(optimizer={"name": "shampoo", "learning_rate": 1e-3,
                             "extra": {"block_shards": "fsdp"}}, mesh={"data": 1, "fsdp": 2})
   cfg = C.from_dict(raw)
-  assert cfg.optimizer["extra"]["block_shards"] == 2
+  assert cfg.optimizer.extra["block_shards"] == 2
   C.dump_config(cfg, tmp_path / "config.yaml")
   assert C.check_resume(C.from_dict(raw), tmp_path) == {}
   raw["mesh"]["fsdp"] = 4
@@ -109,3 +109,36 @@ def test_the_skip_guard_checks_the_update_unless_the_optimizer_cannot_fail(optim
   from scaleopt.train import loop
   cfg = C.from_dict(tiny_raw(run={"update_guard": guard}, optimizer=optimizer))
   assert loop.check_update(cfg) is checked
+
+
+def test_learning_rate_walks_from_the_cli_into_one_build(tmp_path, monkeypatch):
+  """A config parsed once (file + ``--set optimizer.learning_rate``) reaches the trainer's
+  setup with the model preset resolved once, the schedule made once and the optimizer built
+  once: the setup steps with the
+  build made at validation, and that build carries the overridden learning rate."""
+  import importlib
+  from scaleopt.train import bridge, loop
+  optim_build = importlib.import_module("scaleopt.optim.build")  # the module, not build()
+
+  from scaleopt import models
+  calls = {"make_schedule": 0, "build": 0, "get_preset": 0}
+
+  def counting(name, fn):
+    def wrapped(*a, **k):
+      calls[name] += 1
+      return fn(*a, **k)
+    return wrapped
+
+  sched = counting("make_schedule", optim_build.make_schedule)
+  monkeypatch.setattr(optim_build, "make_schedule", sched)
+  monkeypatch.setattr(bridge, "make_schedule", sched)
+  monkeypatch.setattr(bridge, "build", counting("build", optim_build.build))
+  monkeypatch.setattr(models, "get_preset", counting("get_preset", models.get_preset))
+  path = tmp_path / "run.yaml"
+  path.write_text(yaml.safe_dump(tiny_raw(run={"steps": 10})))
+  cfg = C.load_config(path, ["optimizer.learning_rate=2e-3"])
+  s = loop.setup(cfg)
+  assert calls == {"make_schedule": 1, "build": 1, "get_preset": 1}
+  assert s.model.cfg is cfg.model.config  # the preset resolved once, at validation
+  assert s.tx is cfg.built.tx and s.schedule is cfg.built.schedule
+  assert float(s.schedule(5)) == pytest.approx(2e-3)  # the warmup's end: the peak
