@@ -24,12 +24,16 @@ memory is split in halves (and the group's limit kept in ``DIR/at_once``), down 
 Several workers on one machine (one per GPU) share one ``--out`` with ``--claim TOKEN``: each
 worker takes whole conditions, the next unfinished one first, by creating
 ``DIR/claims/TOKEN/<k>`` (an atomic ``mkdir``), so slow and fast conditions balance themselves.
-A new launch uses a new token, so claims of an interrupted launch never block it; claiming
-workers leave the report to one ``--report-only`` run at the end.
+All workers of one launch use the same token; a new launch uses a new token, so claims of an
+interrupted launch never block it. Whatever the tokens, a cell trains in one process at a time:
+a worker takes the owner lock of the cell's folder (``scaleopt.train.runfolder.owner``) without
+waiting and skips a cell that another live process holds. Claiming workers leave the report
+to one ``--report-only`` run at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import json
@@ -47,6 +51,7 @@ import yaml
 from scaleopt.study import config as study_config
 from scaleopt.study import report, store
 from scaleopt.study.config import Cell, ConfigError, Study
+from scaleopt.train import runfolder
 
 EXIT_OK, EXIT_CONFIG, EXIT_SIGNAL = 0, 2, 143
 
@@ -193,8 +198,33 @@ class _Stop:
       signal.signal(sig, old)
 
 
+def take_cells(cells: list[Cell], out: pathlib.Path, held: contextlib.ExitStack) -> list[Cell]:
+  """The cells whose folder's owner lock (``scaleopt.train.runfolder.owner``) this process now
+  holds, in ``held``, without waiting; a cell another live process trains, or that finished
+  meanwhile, is left out. All taken cells resume from the same checkpoint step."""
+  taken = []
+  for c in cells:
+    try:
+      held.enter_context(runfolder.owner(str(cell_dir(out, c)), command="scaleopt study"))
+    except ConfigError:
+      continue
+    taken.append(c)
+  done = report.finished_ids(out)
+  taken = [c for c in taken if c.id not in done]
+  step = latest_checkpoint(cell_dir(out, taken[0])) if taken else None
+  return [c for c in taken if latest_checkpoint(cell_dir(out, c)) == step]
+
+
 def run_unit(st: Study, cells: list[Cell], out: pathlib.Path, stop: _Stop) -> list[str]:
-  """Trains one unit; records every finished cell in ``cells.jsonl``; returns the statuses."""
+  """Trains one unit; records every finished cell in ``cells.jsonl``; returns the statuses
+  ("busy" for a cell another process holds: ``take_cells``)."""
+  with contextlib.ExitStack() as held:
+    taken = take_cells(cells, out, held)
+    res = dict(zip(taken, _run_taken(st, taken, out, stop))) if taken else {}
+  return [res.get(c, "busy") for c in cells]
+
+
+def _run_taken(st: Study, cells: list[Cell], out: pathlib.Path, stop: _Stop) -> list[str]:
   from scaleopt.study import engines
   dirs = [cell_dir(out, c) for c in cells]
   for c, d in zip(cells, dirs):
@@ -216,8 +246,8 @@ def run_unit(st: Study, cells: list[Cell], out: pathlib.Path, stop: _Stop) -> li
       (out / "at_once" / group).write_text(f"{half}\n")
       print(f"[study {st.name}] {len(cells)} cells at once do not fit in device memory; "
             f"running {half} and {len(cells) - half}", flush=True)
-      return (run_unit(st, cells[:half], out, stop)
-              + run_unit(st, cells[half:], out, stop))
+      return (_run_taken(st, cells[:half], out, stop)
+              + _run_taken(st, cells[half:], out, stop))
   else:
     res = [{"status": "interrupted"} if stop() else
            engines.run_loop(cfg, d, latest_checkpoint(d) is not None)
@@ -298,10 +328,10 @@ def run_study(st: Study, out: pathlib.Path, *, cells: Optional[list[str]] = None
   if claims is None or not (out / "study.yaml").is_file():
     (out / "study.yaml").write_text(yaml.safe_dump(st.raw, sort_keys=False))
   store.absorb(out)  # finished folders the store lacks (kept in place)
-  ran, stopped = 0, None
+  ran, stopped, busy = 0, None, set()
   with _Stop(max_minutes) as stop:
     while train:
-      todo = select(st, plan(st, out), shard, cells)
+      todo = [c for c in select(st, plan(st, out), shard, cells) if c.id not in busy]
       if claims is not None:
         todo = claims.mine(todo)
       if not todo:
@@ -311,10 +341,12 @@ def run_study(st: Study, out: pathlib.Path, *, cells: Optional[list[str]] = None
         if stop():
           break
         statuses = run_unit(st, u, out, stop)
-        n_done = sum(s != "interrupted" for s in statuses)
+        held = {c.id for c, s in zip(u, statuses) if s == "busy"}  # by another process
+        n_done = sum(s not in ("interrupted", "busy") for s in statuses)
         ran += n_done
-        progress |= n_done > 0
-        if n_done < len(u):
+        progress |= n_done > 0 or bool(held - busy)  # new busy cells: plan without them
+        busy |= held
+        if "interrupted" in statuses:
           if not stop():  # the training loop caught SIGTERM/SIGINT itself
             stop.signal = "SIGTERM/SIGINT"
           break

@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from scaleopt import models
+from scaleopt import models, optim
 from scaleopt.train import (bridge, checkpoint, data, loop, mesh as mesh_lib, metrics,
                             step as step_lib)
 from scaleopt.train.config import ConfigError, TrainConfig, dump_config
@@ -192,8 +192,8 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
   logs = [metrics.MetricsLog(dd, resume_step=step0 if resume_step is not None else None,
                              tensorboard=r.tensorboard) for dd in dirs]
   tokens_per_step = groups * d.batch_size * d.seq_len
-  meter = loop._Meter(tokens_per_step * n)
-  pending, last_losses = [], np.full(n, np.nan)
+  meter = metrics.Meter(tokens_per_step * n)
+  pending, last_losses, last_skipped = [], np.full(n, np.nan), np.zeros(n)
   diverged = np.zeros(n, bool)
   val = np.full(n, np.nan)
   done, stopped = step0, False
@@ -219,14 +219,14 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
       pending = []
       tps = meter.interval(done) / n
       last_losses = np.mean([f["loss"] for f in fetched], axis=0)
+      last_skipped = np.asarray(fetched[-1]["skipped"])
       diverged |= np.asarray(fetched[-1]["consec"]) >= r.max_consecutive_skips
       if is_eval:
         val = evaluate(state.params, "val")
         meter.pause_done()
       for i, log in enumerate(logs):
-        row = {"step": done, **{k: float(v[i]) for k, v in fetched[-1].items()},
-               "tokens": done * tokens_per_step, "tokens_per_s": tps}
-        row["skipped"], row["consec"] = int(row["skipped"]), int(row["consec"])
+        row = metrics.step_row(done, {k: v[i] for k, v in fetched[-1].items()},
+                               done * tokens_per_step, tps)
         if is_eval:
           row["eval_loss"] = float(val[i])
         log.write(row)
@@ -257,7 +257,9 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
         "compile_s": meter.compile_s, "tokens_per_s": tps,
         "params": models.count_params(s.model.cfg), "mfu": None,
         "flops_per_token": flops, "optimizer": c.optimizer.name, "layout": s.spec.layout,
-        "sweeps_per_step": bridge.passes_per_step(s.spec), "devices": 1,
+        "sweeps_per_step": bridge.passes_per_step(s.spec),
+        "optimizer_numerics": optim.resolved_numerics(c.optimizer),
+        "skipped_steps": int(last_skipped[i]), "phase_shifts": None, "devices": 1,
         "device_kind": jax.devices()[0].device_kind, "resumed_from": resume_step,
         "stopped_early": stopped or bool(diverged[i]),
         "interrupted_by": "deadline" if stopped else None, **loop.eval_identity(sets["val"]),

@@ -382,43 +382,6 @@ def eval_identity(ev: Optional[data.EvalSet]) -> dict:
   return {"eval_set": ev.ident, "eval_windows": ev.n}
 
 
-class _Meter:
-  """Training-only wall time (after the compile step, without eval) and tokens/s."""
-
-  def __init__(self, tokens_per_step: int):
-    self.tps_unit = tokens_per_step
-    self.t0 = time.time()
-    self.compile_s = None
-    self.last_t, self.last_step = None, None
-    self.train_s, self.timed_steps = 0.0, 0
-
-  def first_step_done(self, step: int) -> None:
-    self.compile_s = time.time() - self.t0
-    self.last_t, self.last_step = time.time(), step
-
-  def interval(self, step: int) -> float:
-    """tokens/s since the previous call (NaN for an empty interval)."""
-    now = time.time()
-    n, dt = step - self.last_step, now - self.last_t
-    self.last_t, self.last_step = now, step
-    if n <= 0 or dt <= 0:
-      return float("nan")
-    self.train_s += dt
-    self.timed_steps += n
-    return n * self.tps_unit / dt
-
-  def pause_done(self) -> None:  # eval just ran: do not count its time
-    self.last_t = time.time()
-
-  def restart(self, step: int) -> None:
-    """A program ran for the first time up to ``step`` (loading its kernels, building its
-    cuDNN plans and CUDA graphs): the steps since the last interval are not timed."""
-    self.last_t, self.last_step = time.time(), step
-
-  def overall(self) -> float:
-    return self.timed_steps * self.tps_unit / self.train_s if self.train_s > 0 else float("nan")
-
-
 def check_out_dir(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool) -> dict:
   """Reads only: ``--out`` is (or can become) a writable directory, one that holds
   checkpoints is reused only with ``--resume``, and then only with a config that may resume
@@ -554,7 +517,7 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
                            tensorboard=r.tensorboard, enabled=is_main, wandb=r.wandb,
                            config=cfg.to_dict())
   prof = metrics.Profile(out / "profile", r.profile)
-  meter = _Meter(s.spec.num_groups * d.batch_size * d.seq_len)
+  meter = metrics.Meter(s.spec.num_groups * d.batch_size * d.seq_len)
   shape, feed = batch_shape(s), None
   try:
     step = _stepper(s, fns, state, step0)  # compiles host-picked programs (timed as compile)
@@ -670,7 +633,7 @@ def _flops(cfg: TrainConfig, s: Setup) -> tuple[float, Optional[float]]:
   return per_token, (peak * jax.device_count() if peak else None)
 
 
-def _summary(cfg: TrainConfig, s: Setup, res: _Outcome, meter: _Meter, start) -> dict:
+def _summary(cfg: TrainConfig, s: Setup, res: _Outcome, meter: metrics.Meter, start) -> dict:
   flops_per_token, peak_all = _flops(cfg, s)
   tps_run = meter.overall()
   return {
@@ -778,9 +741,7 @@ def _run(cfg, s, state, step, feed, step0, log, meter, prof, save, evaluate, is_
       pending = []
       tps = meter.interval(done)
       res.last_losses = [float(x["loss"]) for x in fetched]
-      row = {"step": done, **{k: float(v) for k, v in fetched[-1].items()},
-             "tokens": done * meter.tps_unit, "tokens_per_s": tps}
-      row["skipped"], row["consec"] = int(row["skipped"]), int(row["consec"])
+      row = metrics.step_row(done, fetched[-1], done * meter.tps_unit, tps)
       if peak_all and tps == tps:
         row["mfu"] = tps * flops_per_token / peak_all
       if is_eval:

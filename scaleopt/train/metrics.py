@@ -146,6 +146,53 @@ def _clean(v):
   return v
 
 
+class Meter:
+  """Training-only wall time (after the compile step, without eval) and tokens/s, of the
+  trainer and of the study's vmapped cells (``tokens_per_step``: of all cells together)."""
+
+  def __init__(self, tokens_per_step: int):
+    self.tps_unit = tokens_per_step
+    self.t0 = time.time()
+    self.compile_s = None
+    self.last_t, self.last_step = None, None
+    self.train_s, self.timed_steps = 0.0, 0
+
+  def first_step_done(self, step: int) -> None:
+    self.compile_s = time.time() - self.t0
+    self.last_t, self.last_step = time.time(), step
+
+  def interval(self, step: int) -> float:
+    """tokens/s since the previous call (NaN for an empty interval)."""
+    now = time.time()
+    n, dt = step - self.last_step, now - self.last_t
+    self.last_t, self.last_step = now, step
+    if n <= 0 or dt <= 0:
+      return float("nan")
+    self.train_s += dt
+    self.timed_steps += n
+    return n * self.tps_unit / dt
+
+  def pause_done(self) -> None:  # eval just ran: do not count its time
+    self.last_t = time.time()
+
+  def restart(self, step: int) -> None:
+    """A program ran for the first time up to ``step`` (loading its kernels, building its
+    cuDNN plans and CUDA graphs): the steps since the last interval are not timed."""
+    self.last_t, self.last_step = time.time(), step
+
+  def overall(self) -> float:
+    return self.timed_steps * self.tps_unit / self.train_s if self.train_s > 0 else float("nan")
+
+
+def step_row(step: int, last: dict, tokens: int, tokens_per_s: float) -> dict:
+  """One metrics.jsonl row from the host copy of a step's metrics (``last``: name -> scalar);
+  the skip counters as integers."""
+  row = {"step": step, **{k: float(v) for k, v in last.items()}, "tokens": tokens,
+         "tokens_per_s": tokens_per_s}
+  row["skipped"], row["consec"] = int(row["skipped"]), int(row["consec"])
+  return row
+
+
 class MetricsLog:
   """``metrics.jsonl`` (one object per logged step) plus TensorBoard and W&B scalars.
 

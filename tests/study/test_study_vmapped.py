@@ -57,6 +57,12 @@ def test_vmapped_cells_equal_ordinary_runs_and_share_one_compile(tmp_path):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), pv, pr)
   summ = json.loads((d / "summary.json").read_text())
   assert summ["steps"] == 6 and summ["cells_at_once"] == 2
+  # one format: the cell's metrics rows and summary carry what the trainer's carry
+  assert [sorted(r) for r in got] == [sorted(r) for r in want]
+  ref_summ = json.loads((ref / "summary.json").read_text())
+  assert set(ref_summ) <= set(summ), set(ref_summ) - set(summ)
+  for k in ("steps", "tokens", "skipped_steps", "optimizer", "layout", "optimizer_numerics"):
+    assert summ[k] == ref_summ[k], k  # (eval_set differs: a cell is scored on the val half)
 
   # other learning rates and seeds of the same group: the same executable, no recompile
   fns = vmapped.group_fns(None, 2, False, key="t")
