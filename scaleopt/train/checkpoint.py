@@ -243,6 +243,9 @@ class Checkpointer:
     try:
       state, data_state = self.restore(step, abstract_state)
     except Exception as e:  # truncated / deleted files, missing items, structure mismatch
+      if "tree structures do not match" in str(e):  # e.g. an optimizer state with new fields
+        raise CheckpointError("its state has another structure than this run's (written by "
+                              "another scaleopt version or config): " + _one_line(e)) from None
       raise CheckpointError(_one_line(e)) from None
     if not _all_finite(state):
       raise CheckpointError("the restored state holds non-finite values")
