@@ -396,3 +396,18 @@ def test_data_prepare_bad_tokenizer_leaves_nothing(tmp_path, capsys, tokenizer, 
 def test_bias_study_defaults_to_a_results_folder():
   args = cli.build_parser().parse_args(["bias-study"])
   assert pathlib.Path(args.out).parts[0] == "results"
+
+
+def test_state_of_another_structure_is_named_and_kept(tmp_path):
+  """A checkpoint whose state lacks a field the run's state has (an optimizer that gained
+  counters) is refused in one line that says so; the checkpoint stays where it is."""
+  ck = checkpoint.Checkpointer(tmp_path / "c", 2, False)
+  ck.save(1, _tiny_state(1.0), {"chunk": 1}, consec=0, param_norm=1.0)
+  ck.wait()
+  new = {"w": np.zeros((4,), np.float32), "rules": {"clamped": np.zeros((), np.int32)}}
+  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  with pytest.raises(checkpoint.CheckpointError, match="another structure") as e:
+    ck.restore_latest(checkpoint.abstract(new, jax.tree.map(lambda _: sh, new)))
+  ck.close()
+  assert "\n" not in str(e.value) and "rules" in str(e.value)
+  assert sorted(p.name for p in (tmp_path / "c").iterdir() if p.name.isdigit()) == ["1"]
