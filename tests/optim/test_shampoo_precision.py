@@ -80,8 +80,9 @@ def test_collector_statistics_take_stats_precision():
 # Stored mantissa bits of a matmul pass on NVIDIA GPUs: "high" and "default" run TF32 (on TPU
 # "high" is three bfloat16 passes, about 16 bits: the 10-bit emulation bounds it too).
 MANTISSA = {"BF16_BF16_F32": 7, "default": 10, "high": 10}
-ON_CPU = pytest.mark.skipif(jax.default_backend() == "cpu", reason="on CPU every precision "
-                            "option computes in float32: the test could not fail there")
+ACCELERATOR_ONLY = pytest.mark.skipif(
+    jax.default_backend() == "cpu",
+    reason="on CPU every precision option computes in float32: the test could not fail there")
 
 
 def _round(x, bits):
@@ -181,7 +182,7 @@ def _shampoo_run(params, grads, **kw):
   return out
 
 
-@ON_CPU
+@ACCELERATOR_ONLY
 @pytest.mark.parametrize("prec", sorted(MANTISSA))
 def test_lower_precision_update_within_its_bound(prec):
   """The update at ``matmul_precision=prec`` against "highest", per step and tensor: its
