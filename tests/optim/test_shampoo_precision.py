@@ -142,6 +142,11 @@ def _newton_emulated(a, damping, bits, p=4, iters=30):
   return np.stack(out)
 
 
+# The update test's Shampoo: learning rate, b1, b2, eps and block size (shared by the run and
+# its emulation).
+UPDATE_HP = dict(lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, block_size=96)
+
+
 def _update_error_emulated(state, params, bits, lr, b1, b2, eps, block_size):
   """{name: lr x (the grafted P_L M P_R of every block with ``_mm`` passes of ``bits`` - the
   same in float64)} from the optimizer state after a step (the P_L, P_R, momentum and Adam
@@ -170,9 +175,10 @@ def _update_error_emulated(state, params, bits, lr, b1, b2, eps, block_size):
 def _shampoo_run(params, grads, **kw):
   """(updates, Shampoo states) of the precision test's problem, one per step (float32 Newton
   roots, as a GPU run with ``newton_precision="highest"`` takes)."""
-  tx = S.shampoo(1e-2, 0.9, 0.95, 1e-8, block_size=96, root_every=3, damping=1e-3,
-                 root_method="newton", newton_precision="highest", stats_precision="highest",
-                 **kw)
+  hp = UPDATE_HP
+  tx = S.shampoo(hp["lr"], hp["b1"], hp["b2"], hp["eps"], block_size=hp["block_size"],
+                 root_every=3, damping=1e-3, root_method="newton", newton_precision="highest",
+                 stats_precision="highest", **kw)
   th, st, out = params, tx.init(params), []
   step = jax.jit(tx.update)
   for g in grads:
@@ -198,7 +204,7 @@ def test_lower_precision_update_within_its_bound(prec):
               zip(ref, got) for k in ("w", "v"))
   assert moved > 0, f"{prec} computed the same update as 'highest': nothing was rounded"
   for (u_ref, st), (u, _) in zip(ref, got):
-    emu = _update_error_emulated(st, params, MANTISSA[prec], 1e-2, 0.9, 0.95, 1e-8, 96)
+    emu = _update_error_emulated(st, params, MANTISSA[prec], **UPDATE_HP)
     for k in ("w", "v"):
       a, b = np.asarray(u_ref[k], np.float64), np.asarray(u[k], np.float64)
       floor = 4 * 2.0 ** -24 * np.abs(a).max()
