@@ -12,8 +12,9 @@ equal blocks, padded with zeros when needed, so every block of a tensor has one 
 All blocks of one factor size, across all tensors, are stacked and their roots computed in one
 batched call on root steps (``phases.cond``): by ``jnp.linalg.eigh`` in float32
 (``root_method="eigh"``) or by coupled Newton iterations (``"newton"``: batched matmuls at
-``newton_precision``, float32 ``"highest"`` by default: in TF32 the root's error grows with
-the factor's condition number, 2-3% at 1e4 and about 50% at 1e6, docs/optim.md). The default
+``newton_precision``, ``"high"`` by default: TF32 on NVIDIA GPUs, whose root error grows with
+the factor's condition number, 2-3% at 1e4, without changing the trained loss; ``"highest"``
+for float32 roots; docs/optim.md). The default
 ``"auto"`` takes Newton on accelerators, where it computes a root step faster than cuSOLVER's
 ``eigh`` (docs/optim.md, Shampoo root solvers), and ``eigh`` on CPU (LAPACK's is faster there) and for the ``inv``/``full`` modes
 (their correction needs the eigenvalues). Other tensors (1-D, embeddings, too large)

@@ -110,7 +110,7 @@ def scale_by_shampoo(
     eig_floor_ratio: float = 1e-3,
     root_method: str = "auto",
     newton_iters: int = 30,
-    newton_precision: str = "highest",
+    newton_precision: str = "high",
     graft: str = "adam",
     adam_b1: Optional[float] = None,
     adam_b2: Optional[float] = None,
@@ -151,8 +151,9 @@ def scale_by_shampoo(
       iterations; std/cf) or ``auto`` (``resolve_root_method``: Newton on GPU/TPU for std/cf,
       else eigh).
     newton_precision: precision of the coupled Newton matmuls, one of ``PRECISIONS``
-      (default float32 ``"highest"``: TF32 roots err by ~u kappa^0.8 relative, 2-3% at a
-      condition number of 1e4; docs/optim.md, Newton roots in float32).
+      (default ``"high"``: TF32 on NVIDIA GPUs, 9% cheaper per step than float32 roots at
+      the same trained loss; ``"highest"`` (float32) for roots accurate to 1e-4 at condition
+      numbers of 1e4 and more; docs/optim.md, Newton roots: TF32 or float32).
     graft: ``adam`` (default; per-block Frobenius norm of the Adam direction) or ``none``.
     adam_b1, adam_b2: the fallback AdamW's rates (the reference code's separate betas).
     update_clip_fro: if > 0, scale each preconditioned tensor's U to Frobenius norm <= c.
