@@ -44,8 +44,9 @@ CONFIGS = {
     "shampoo_b512": dict(name="shampoo", extra=dict(block_size=512, root_every=10,
                                                     root_method="eigh", **F32)),
     "shampoo_default": dict(name="shampoo", extra=dict(root_every=10)),
-    # the defaults with TF32 Newton iterations (the default is float32 Newton roots)
-    "shampoo_tf32_roots": dict(name="shampoo", extra=dict(root_every=10, newton_precision="high")),
+    # the defaults with float32 Newton iterations (the default is TF32 Newton roots)
+    "shampoo_f32_roots": dict(name="shampoo", extra=dict(root_every=10,
+                                                         newton_precision="highest")),
     "shampoo_bc_cf": dict(name="shampoo_bc", extra=dict(block_size=1024, root_every=10,
                                                         mode="cf", rolling_b=True,
                                                         root_method="eigh", **F32)),
