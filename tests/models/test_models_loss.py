@@ -77,6 +77,7 @@ def test_masked_mean_matches_lm_loss_and_bf16_close():
     assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)
 
 
+@pytest.mark.integration  # slow to compile on CPU: the second tier
 def test_model_loss_equals_lm_loss_of_logits():
   cfg = tiny()
   init, apply = models.functional(cfg)

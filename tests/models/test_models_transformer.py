@@ -123,6 +123,7 @@ def test_remat_gives_same_loss_and_grads():
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7), base, other)
 
 
+@pytest.mark.integration  # slow to compile on CPU: the second tier
 def test_unrolled_layer_scan_gives_same_loss_and_grads():
   """scan_unroll 0 (all units, no loop) and a partial unroll compute the rolled loop's function;
   0 leaves no loop in the program."""

@@ -86,6 +86,7 @@ def test_build_adamw_passes_mu_dtype():
 
 @pytest.mark.parametrize("name,extra", [("shampoo", {"block_size": 4, "root_every": 2}),
                                         ("sophia", {"k": 2})])
+@pytest.mark.integration  # a training run: the second tier
 def test_bf16_moment_stored_and_close_to_float32(name, extra):
   """Preconditioned paths (Shampoo factors, Sophia): m is stored in bf16 and the run stays
   within bf16 rounding of the float32-moment run."""

@@ -13,6 +13,7 @@ from scaleopt.scaling import sweep
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.integration  # a whole sweep: the second tier
 def test_sweep_main_writes_alpha_losses_and_plots(tmp_path, capsys):
   """Two draws (seeds = 2) is allowed with a loud warning; every output file is written."""
   rc = sweep.sweep_main(str(ROOT / "configs/sweeps/small.yaml"), str(tmp_path),

@@ -116,6 +116,7 @@ def test_population_statistics_match_monte_carlo_numpy():
       assert np.all(np.abs(np.asarray(exact) - prod.mean(axis=0)) < 5 * se + 1e-12), fm
 
 
+@pytest.mark.integration  # a whole sweep: the second tier
 def test_small_preset_ng_steeper_than_gd_at_s1():
   root = pathlib.Path(__file__).resolve().parents[2]
   cfg = config.load_config(root / "configs/sweeps/small.yaml",

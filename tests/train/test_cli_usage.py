@@ -63,6 +63,7 @@ def test_short_run_fits_the_warmup_with_a_notice(capsys):
     _sched(10, kind="cosine", warmup_steps=30, total_steps=10)  # set by hand: not changed
 
 
+@pytest.mark.integration  # a training run: the second tier
 def test_quiet_run_prints_a_line_per_log_and_fits_its_warmup(tmp_path, capsys):
   """``run.progress=false`` (batch jobs): one line every ``log_every`` steps; a warmup longer
   than the run trains over the whole run (lr = peak * t / steps at step t)."""

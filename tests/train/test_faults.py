@@ -103,6 +103,7 @@ CORRUPTIONS = {
 
 
 @pytest.mark.parametrize("mode", sorted(CORRUPTIONS))
+@pytest.mark.integration  # a training run: the second tier
 def test_corrupt_latest_checkpoint_falls_back(ref, target, tmp_path, capsys, mode):
   run = _copy(ref, tmp_path)
   CORRUPTIONS[mode](run / "checkpoints" / "12")
@@ -121,6 +122,7 @@ def test_corrupt_latest_checkpoint_falls_back(ref, target, tmp_path, capsys, mod
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.integration  # a training run: the second tier
 def test_nonfinite_restored_state_counts_as_corrupt(ref, target, tmp_path, capsys):
   run = _copy(ref, tmp_path)
   ck = checkpoint.Checkpointer(run / "checkpoints", 5, False)
@@ -132,6 +134,7 @@ def test_nonfinite_restored_state_counts_as_corrupt(ref, target, tmp_path, capsy
   assert "non-finite" in capsys.readouterr().err
 
 
+@pytest.mark.integration  # a training run: the second tier
 def test_resume_after_corrupt_checkpoint_matches_uninterrupted(ref, tmp_path, capsys):
   run = _copy(ref, tmp_path)
   _truncate(run / "checkpoints" / "12")
@@ -144,6 +147,7 @@ def test_resume_after_corrupt_checkpoint_matches_uninterrupted(ref, tmp_path, ca
   assert _ckpt_steps(run) == [4, 8, 12]
 
 
+@pytest.mark.integration  # a training run: the second tier
 def test_no_intact_checkpoint_is_one_line_error(ref, tmp_path, capsys):
   run = _copy(ref, tmp_path)
   for s in (4, 8, 12):
@@ -156,6 +160,7 @@ def test_no_intact_checkpoint_is_one_line_error(ref, tmp_path, capsys):
 # --- a full disk -----------------------------------------------------------------------------
 
 
+@pytest.mark.integration  # a training run: the second tier
 def test_disk_full_during_checkpoint_keeps_earlier_ones(ref, target, tmp_path, capsys,
                                                         monkeypatch):
   """Files may not grow past 64 KB from the first save on (RLIMIT_FSIZE: writes fail with
@@ -224,6 +229,7 @@ def _faulty(tx, explode_at, nan_from):
   return optax.GradientTransformationExtraArgs(init, update)
 
 
+@pytest.mark.integration  # a training run: the second tier
 def test_nonfinite_stop_keeps_checkpoint_from_before_the_trouble(tmp_path):
   """Updates 1-5 normal, update 6 blows the parameters up (finite), NaN from update 8 on
   (skipped, so the counter stays at 7 and every later step is NaN): the stop must keep step 4,
@@ -264,6 +270,7 @@ def _snapshot(run):
     ("data.batch_size=32", "data.batch_size"),
     ("data.seq_len=64", "data.seq_len"),
 ])
+@pytest.mark.integration  # a training run: the second tier
 def test_resume_refuses_incompatible_change(ref, tmp_path, capsys, override, key):
   run = _copy(ref, tmp_path)
   before = _snapshot(run)
@@ -274,6 +281,7 @@ def test_resume_refuses_incompatible_change(ref, tmp_path, capsys, override, key
   assert _snapshot(run) == before  # nothing touched, config.yaml included
 
 
+@pytest.mark.integration  # a training run: the second tier
 def test_resume_without_checkpoints_may_change_anything(ref, tmp_path):
   run = tmp_path / "run"
   run.mkdir()
@@ -285,6 +293,7 @@ def test_resume_without_checkpoints_may_change_anything(ref, tmp_path):
     loop.check_out_dir(cfg, run, resume=True)
 
 
+@pytest.mark.integration  # a training run: the second tier
 def test_resume_with_resumable_change_is_recorded(ref, tmp_path, capsys):
   run = _copy(ref, tmp_path)
   original = (run / "config.yaml").read_bytes()

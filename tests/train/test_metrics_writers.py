@@ -107,6 +107,7 @@ def test_profile_writes_a_trace_of_the_chosen_steps(tmp_path):
   assert not (tmp_path / "none").exists()
 
 
+@pytest.mark.integration  # a training run: the second tier
 def test_training_run_profiles_and_logs_to_wandb(tmp_path, fake_wandb):
   raw = tiny_raw(run={"steps": 4, "log_every": 2, "checkpoint_every": 0, "eval_every": 0,
                       "profile": {"start_step": 1, "steps": 2}, "wandb": {"project": "t"}},

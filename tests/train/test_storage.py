@@ -145,6 +145,7 @@ def _two_processes(tmp_path, outs):
   return [(p.wait(timeout=120), *p.communicate()) for p in procs]
 
 
+@pytest.mark.integration  # two processes: the second tier
 def test_two_processes_with_different_folders_both_stop_at_start(tmp_path):
   res = _two_processes(tmp_path, [tmp_path / "a", tmp_path / "b"])
   for rc, out, err in res:
