@@ -53,6 +53,10 @@ and preset options (same run, same card). Further columns:
                       tokens per step and microbatches per sweep (same microbatch size):
                       the cost of the statistics alone, without the microbatching effect
 
+``--cell-tokens N`` adds a table of the minutes each configuration takes to train N tokens
+(training at its tokens/s plus its compile; the paper's Table 2 cell is 262144000), e.g.
+``--configs data1+b512+m64+optadamw,data1+b512+m64+optadamw_bc+ecrossfit=loo``.
+
 A multi-GPU configuration sees the first N GPUs (``CUDA_VISIBLE_DEVICES=0..N-1``).
 """
 
@@ -438,7 +442,28 @@ def header(rows: list[dict]) -> str:
   return "\n".join(f"card: {k}; devices in the row's process: {n}; jax {v}" for k, n, v in seen)
 
 
-def table(rows: list[dict]) -> str:
+def cell_table(rows: list[dict], cell_tokens: int, fast: dict) -> str:
+  """Time to train ``cell_tokens`` tokens (a study cell, e.g. the paper's Table 2 run of
+  262,144,000): minutes of training at the row's tokens/s plus its compile, and the ratio to
+  the fastest adamw row of the same GPUs, preset, seq and tokens per step."""
+  out = [f"Time to a cell of {cell_tokens:,} tokens (training at the measured tokens/s, plus "
+         "the compile; evaluation not included):", "",
+         "| configuration | GPUs | preset | tokens/step | tokens/s | steps | minutes | "
+         "vs adamw |", "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    if "error" in r:
+      continue
+    minutes = (cell_tokens / r["tokens_per_s"] + r.get("compile_s", 0.0)) / 60
+    f = fast.get((r["n"], r["preset"], r["seq"], _tokens(r)))
+    vs = (f"{minutes / ((cell_tokens / f['tokens_per_s'] + f.get('compile_s', 0.0)) / 60):.2f}x"
+          if f else "-")
+    out.append(f"| {r['name']} | {r['n']} | {r['preset']} | {_tokens(r)} | "
+               f"{r['tokens_per_s']:,.0f} | {-(-cell_tokens // _tokens(r))} | {minutes:.1f} | "
+               f"{vs} |")
+  return "\n".join(out)
+
+
+def table(rows: list[dict], cell_tokens: int = 0) -> str:
   one, fast, micro, key, same = _bases(rows)
   out = [header(rows), "",
          "| configuration | mesh | GPUs | preset | tokens/step | microbatches | sweeps | ms/step |"
@@ -467,6 +492,8 @@ def table(rows: list[dict]) -> str:
                f"{m} | {r.get('sweeps', 1):g} | {_ms(r):.1f} | {r['tokens_per_s']:,.0f} | "
                f"{rel} | {weak} | {step} | {per_tok} | {same_tok} | {mfu} | "
                f"{r['final_loss']:.3f} |")
+  if cell_tokens:
+    out += ["", cell_table(rows, cell_tokens, fast)]
   fits = [r for r in rows if r.get("fit_rows")]
   for r in fits:
     out += ["", f"{r['name']}: largest per-GPU microbatch under {r['fit_limit'] / GIB:.2f} GiB "
@@ -502,6 +529,9 @@ def main(argv=None) -> int:
                   help="start no configuration after this many seconds")
   ap.add_argument("--deadline", type=float, default=float("inf"),
                   help="kill what still runs after this many seconds (finished rows are kept)")
+  ap.add_argument("--cell-tokens", type=int, default=0,
+                  help="also print the minutes each configuration takes to train this many "
+                  "tokens (the paper's Table 2 cell: 262144000)")
   ap.add_argument("--csv", help="write the rows here")
   ap.add_argument("--jsonl", help="append the rows here (one JSON object per line)")
   ap.add_argument("--table-from", help="print one table (and --csv) of the rows of these "
@@ -514,7 +544,7 @@ def main(argv=None) -> int:
   if args.table_from:
     rows = [json.loads(l) for f in args.table_from.split(",") if os.path.exists(f)
             for l in open(f) if l.strip()]
-    print(table(rows))
+    print(table(rows, args.cell_tokens))
     _write_csv(args.csv, rows)
     return 0
   platform, dtype = "gpu", "bfloat16"
@@ -546,7 +576,7 @@ def main(argv=None) -> int:
   rows = run_all(configs, args.timeout, width, args.budget, args.single_gpu,
                  args.same_process, args.deadline)
   print()
-  print(table(rows))
+  print(table(rows, args.cell_tokens))
   _write_csv(args.csv, rows)
   if args.jsonl:
     with open(args.jsonl, "a") as f:

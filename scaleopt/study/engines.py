@@ -18,7 +18,7 @@ from typing import Optional
 
 import jax
 
-from scaleopt.train import bridge, checkpoint, data, loop
+from scaleopt.train import bridge, checkpoint, data, faults, loop
 from scaleopt.train.config import TrainConfig
 
 NAN = float("nan")
@@ -78,9 +78,9 @@ def run_loop(cfg: TrainConfig, d: pathlib.Path, resume: bool) -> dict:
   status = "ok"
   try:
     loop.train(cfg, d, resume=resume, s=s_val)
-  except loop.SkipLimit:
+  except faults.SkipLimit:
     status = "diverged"
-  except loop.Interrupted:
+  except faults.Interrupted:
     return {"status": "interrupted"}
   summ = json.loads((d / "summary.json").read_text())
   summ["test_set"] = loop.eval_identity(data.heldout_eval_sets(

@@ -38,9 +38,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from scaleopt import models, optim
-from scaleopt.train import (bridge, checkpoint, data, loop, mesh as mesh_lib, metrics,
-                            step as step_lib)
+from scaleopt import optim
+from scaleopt.train import (checkpoint, data, loop, mesh as mesh_lib, metrics,
+                            phased, step as step_lib)
 from scaleopt.train.config import ConfigError, TrainConfig, dump_config
 
 
@@ -76,7 +76,7 @@ def _cellwise(fn: Callable, in_axes: tuple, n: int) -> Callable:
 class GroupFns:
   init: Any  # seeds[C] -> TrainState[C]
   step: Any  # (TrainState[C], batch, lr[C]) -> (TrainState[C], metrics[C])
-  eval: Any  # (params[C], tokens[B, T+1]) -> loss[C]
+  eval: Any  # (TrainState[C], tokens[B, T+1]) -> loss[C] (of optim.eval_params)
   state_shape: Any  # one cell's TrainState of ShapeDtypeStruct
 
 
@@ -98,7 +98,9 @@ def group_fns(s: loop.Setup, n: int, shared_batch: bool, key: Optional[str] = No
     new, m = step_lib.make_train_step(model, lr_scaled(tx, lr), spec, schedule)(state, batch)
     return new, {**m, "lr": m["lr"] * lr}
 
-  eval_one = step_lib.make_eval_step(model)
+  eval_params = step_lib.make_eval_step(model)
+  eval_one = lambda state, tokens: eval_params(optim.eval_params(state.opt_state, state.params),
+                                               tokens)
   # init, restore and step all place the state on the setup's (one-device) mesh, so the
   # state the step returns has the type of the state it took: no second compile.
   rep = NamedSharding(s.mesh, P())
@@ -130,6 +132,21 @@ def _slice(tree: Any, i: int) -> Any:
   return jax.tree.map(lambda x: x[i], tree)
 
 
+class _CellBatches:
+  """The cells' training batches: one iterator when every cell has the same seed (its batch
+  is broadcast to every cell), else one per cell, stacked on a leading cell axis."""
+
+  def __init__(self, its: list):
+    self.its = its
+
+  def next(self) -> dict:
+    nxt = [it.next() for it in self.its]
+    return nxt[0] if len(nxt) == 1 else {k: np.stack([b[k] for b in nxt]) for k in nxt[0]}
+
+  def state(self) -> list:
+    return [it.state() for it in self.its]
+
+
 @dataclasses.dataclass
 class GroupResult:
   status: list  # per cell: "ok" | "diverged" | "interrupted"
@@ -144,131 +161,105 @@ class GroupResult:
 def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_step: Optional[int],
                 should_stop: Callable[[], bool] = lambda: False, key: Optional[str] = None,
                 ) -> GroupResult:
-  """Trains cells that differ only in ``optimizer.learning_rate`` and ``run.seed`` together.
+  """Trains cells that differ only in ``optimizer.learning_rate`` and ``run.seed`` together:
+  the trainer's host loop (``loop.run_cells``) with a cell axis.
 
   ``resume_step``: the checkpoint step every cell restores from (None: start fresh).
   ``should_stop()`` is polled every step; when true the cells checkpoint and stop
   ("interrupted"). Evaluation: the held-out split's ``val`` part during training and at the
   end, its ``test`` part at the end (``data.heldout_part``).
   """
-  n = len(cfgs)
-  s = loop.setup(unit_lr_config(cfgs[0]))
+  n, c0 = len(cfgs), cfgs[0]
+  s = loop.setup(unit_lr_config(c0))
   if s.mesh.devices.size != 1:
     raise ValueError("the vmapped cell engine runs on one device; use engine.kind=loop")
-  r, d = cfgs[0].run, cfgs[0].data
+  r, d = c0.run, c0.data
   seeds = [c.run.seed for c in cfgs]
   lrs = jnp.asarray([c.optimizer.learning_rate for c in cfgs], jnp.float32)
   shared = len(set(seeds)) == 1
   fns = group_fns(s, n, shared, key)
-  groups, rolling = s.spec.num_groups, s.spec.layout == "rolling_b"
-  its = [data.Batches(s.train_w, d.batch_size, d.microbatches, groups=groups, rolling_b=rolling,
-                      seed=sd) for sd in (seeds[:1] if shared else seeds)]
+  its = [data.Batches(s.train_w, d.batch_size, d.microbatches, groups=s.spec.num_groups,
+                      rolling_b=s.spec.layout == "rolling_b", seed=sd)
+         for sd in (seeds[:1] if shared else seeds)]
   sets = data.heldout_eval_sets(s.val_w, r.eval_tokens)
-  parts = {p: None if ev is None else jnp.asarray(ev.microbatches(loop.eval_microbatch(cfgs[0]))[0])
+  parts = {p: None if ev is None else jnp.asarray(ev.microbatches(loop.eval_microbatch(c0))[0])
            for p, ev in sets.items()}
 
-  def evaluate(params, part: str) -> np.ndarray:
+  def evaluate(state, part: str) -> np.ndarray:
     if parts[part] is None:
       return np.full(n, np.nan)
-    return sets[part].mean(jax.device_get(fns.eval(params, parts[part])))
+    return sets[part].mean(jax.device_get(fns.eval(state, parts[part])))
 
   ckpts = [checkpoint.Checkpointer(dd / "checkpoints", r.keep_checkpoints, r.async_checkpoint)
            for dd in dirs]
   for c, dd in zip(cfgs, dirs):
     dd.mkdir(parents=True, exist_ok=True)
     dump_config(c, dd / "config.yaml")
-  if resume_step is not None:
-    sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = checkpoint.abstract(fns.state_shape, jax.tree.map(lambda _: sh, fns.state_shape))
-    restored = [ck.restore(resume_step, abstract) for ck in ckpts]
-    state = jax.device_put(_stack([st for st, _ in restored]), NamedSharding(s.mesh, P()))
-    dstates = [loop.check_state_format(c, ds, f"{ck.dir}/{resume_step}")
-               for c, (_, ds), ck in zip(cfgs, restored, ckpts)]
-    for it, ds in zip(its, dstates):
-      it.restore(ds)
-  else:
-    state = fns.init(jnp.asarray(seeds, jnp.int32))
+  state = _restore_group(cfgs, s, fns, ckpts, its, resume_step, seeds)
   step0 = int(jax.device_get(state.step[0]))
   logs = [metrics.MetricsLog(dd, resume_step=step0 if resume_step is not None else None,
                              tensorboard=r.tensorboard) for dd in dirs]
-  tokens_per_step = groups * d.batch_size * d.seq_len
-  meter = metrics.Meter(tokens_per_step * n)
-  pending, last_losses, last_skipped = [], np.full(n, np.nan), np.zeros(n)
-  diverged = np.zeros(n, bool)
-  val = np.full(n, np.nan)
-  done, stopped = step0, False
+  feed = loop.Prefetch(_CellBatches(its), jax.device_put, max(0, r.steps - step0))
 
-  def save_all(step):
+  def save(st, step: int, only_if_sound: bool = False) -> bool:
+    del only_if_sound  # every cell's state is kept (a diverged cell's steps were skipped)
+    pos = feed.state()
     for i, ck in enumerate(ckpts):
-      ck.save(step, _slice(state, i),
-              loop.with_state_format(cfgs[i], its[0 if shared else i].state()))
+      ck.save(step, _slice(st, i), loop.with_state_format(cfgs[i], pos[0 if shared else i]))
+    return True
 
-  for t in range(step0, r.steps):
-    nxt = [it.next() for it in its]
-    batch = nxt[0] if shared else {k: np.stack([b[k] for b in nxt]) for k in nxt[0]}
-    state, m = fns.step(state, batch, lrs)
-    done = t + 1
-    if meter.compile_s is None:
-      jax.block_until_ready(m["loss"])
-      meter.first_step_done(done)
-    pending.append(m)
-    stopped = should_stop()
-    is_eval = (r.eval_every and done % r.eval_every == 0) or done == r.steps
-    if done % r.log_every == 0 or is_eval or stopped:
-      fetched = jax.device_get(pending)
-      pending = []
-      tps = meter.interval(done) / n
-      last_losses = np.mean([f["loss"] for f in fetched], axis=0)
-      last_skipped = np.asarray(fetched[-1]["skipped"])
-      diverged |= np.asarray(fetched[-1]["consec"]) >= r.max_consecutive_skips
-      if is_eval:
-        val = evaluate(state.params, "val")
-        meter.pause_done()
-      for i, log in enumerate(logs):
-        row = metrics.step_row(done, {k: v[i] for k, v in fetched[-1].items()},
-                               done * tokens_per_step, tps)
-        if is_eval:
-          row["eval_loss"] = float(val[i])
-        log.write(row)
-        log.flush()
-    if stopped:
-      break
-    if r.checkpoint_every and done % r.checkpoint_every == 0 and done != r.steps:
-      save_all(done)
-  if done == step0:
-    val = evaluate(state.params, "val")
-  test = evaluate(state.params, "test") if not stopped else np.full(n, np.nan)
-  save_all(done)
-  for ck in ckpts:
-    ck.close()
-  for log in logs:
-    log.close()
+  cells = loop.Cells(n, phased.OneProgram(lambda st, b: fns.step(st, b, lrs)), feed, logs,
+                     lambda st: evaluate(st, "val"), save,
+                     lambda step: "deadline" if should_stop() else None,
+                     labels=[f"[lr {c.optimizer.learning_rate:g} seed {c.run.seed}]"
+                             for c in cfgs])
+  meter = metrics.Meter(s.spec.num_groups * d.batch_size * d.seq_len * n)
+  try:
+    res, state = loop.run_cells(c0, s, cells, state, step0, meter)
+  finally:
+    feed.close()
+    for ck in ckpts:
+      ck.close()
+    for log in logs:
+      log.close()
+  test = evaluate(state, "test") if res.interrupted is None else np.full(n, np.nan)
+  return _finish(cfgs, dirs, s, res, meter, resume_step, sets, test)
+
+
+def _restore_group(cfgs, s, fns, ckpts, its, resume_step, seeds):
+  """The cells' stacked state: fresh, or restored from each cell's checkpoint at
+  ``resume_step`` (with each iterator's position)."""
+  if resume_step is None:
+    return fns.init(jnp.asarray(seeds, jnp.int32))
+  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = checkpoint.abstract(fns.state_shape, jax.tree.map(lambda _: sh, fns.state_shape))
+  restored = [ck.restore(resume_step, abstract) for ck in ckpts]
+  state = jax.device_put(_stack([st for st, _ in restored]), NamedSharding(s.mesh, P()))
+  dstates = [loop.check_state_format(c, ds, f"{ck.dir}/{resume_step}")
+             for c, (_, ds), ck in zip(cfgs, restored, ckpts)]
+  for it, ds in zip(its, dstates):
+    it.restore(ds)
+  return state
+
+
+def _finish(cfgs, dirs, s, res, meter, resume_step, sets, test) -> GroupResult:
+  """Each cell's status and summary.json (the trainer's, plus the group's wall time and the
+  test set), and its loss plot."""
+  n = len(cfgs)
   wall = time.time() - meter.t0
-  tps = meter.overall() / n
-  flops = models.flops_per_token(s.model.cfg, d.seq_len) * bridge.passes_per_step(s.spec)
   status, summaries = [], []
   for i, (c, dd) in enumerate(zip(cfgs, dirs)):
-    st = "interrupted" if stopped else ("diverged" if diverged[i] else "ok")
-    status.append(st)
-    summ = {
-        "steps": done, "tokens": done * tokens_per_step,
-        "final_train_loss": float(last_losses[i]), "final_eval_loss": float(val[i]),
-        "wall_time_s": wall / n, "group_wall_time_s": wall, "cells_at_once": n,
-        "compile_s": meter.compile_s, "tokens_per_s": tps,
-        "params": models.count_params(s.model.cfg), "mfu": None,
-        "flops_per_token": flops, "optimizer": c.optimizer.name, "layout": s.spec.layout,
-        "sweeps_per_step": bridge.passes_per_step(s.spec),
-        "optimizer_numerics": optim.resolved_numerics(c.optimizer),
-        "skipped_steps": int(last_skipped[i]), "phase_shifts": None, "devices": 1,
-        "device_kind": jax.devices()[0].device_kind, "resumed_from": resume_step,
-        "stopped_early": stopped or bool(diverged[i]),
-        "interrupted_by": "deadline" if stopped else None, **loop.eval_identity(sets["val"]),
-        "test_set": loop.eval_identity(sets["test"])["eval_set"]}
+    status.append("interrupted" if res.interrupted is not None
+                  else "diverged" if res.diverged[i] else "ok")
+    summ = {**loop.summarize(c, s, res, meter, resume_step, cell=i),
+            "group_wall_time_s": wall, "cells_at_once": n, **loop.eval_identity(sets["val"]),
+            "test_set": loop.eval_identity(sets["test"])["eval_set"]}
     metrics.write_summary(dd, summ)
     summaries.append(summ)
-    if r.plot:
+    if c.run.plot:
       metrics.plot_curves({c.optimizer.name: metrics.read_metrics(dd / "metrics.jsonl")},
                           dd / "loss.png", title=f"lr {c.optimizer.learning_rate:g}, "
                           f"seed {c.run.seed}")
-  return GroupResult(status, [float(v) for v in val], [float(v) for v in test],
-                     [float(v) for v in last_losses], summaries, wall, s.spec)
+  train_loss = np.mean(res.last_losses, axis=0) if res.last_losses is not None else [np.nan] * n
+  return GroupResult(status, [float(v) for v in res.eval_loss], [float(v) for v in test],
+                     [float(v) for v in train_loss], summaries, wall, s.spec)

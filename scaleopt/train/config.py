@@ -336,6 +336,18 @@ def saved_config(run_dir: str | pathlib.Path) -> Optional[dict]:
   return cfg
 
 
+def saved_section(run_dir: str | pathlib.Path, name: str) -> Any:
+  """One section of the config a run last trained with (``saved_config``), typed: ``model`` as
+  its ``ModelSpec``, ``run`` / ``data`` / ``mesh`` as their dataclasses; None when the run has no
+  config. Only that section is validated (an export reads a run's model and data sections
+  without needing the rest to be valid under today's rules)."""
+  raw = saved_config(run_dir)
+  if raw is None:
+    return None
+  section = raw.get(name) or {}
+  return model_spec(section) if name == "model" else parse(_SECTIONS[name], section, name)
+
+
 def check_resume(cfg: TrainConfig, run_dir: str | pathlib.Path) -> dict[str, tuple]:
   """Compares the requested config with the run's saved one (reads only); returns the
   resumable changes, raises ConfigError naming every other changed key."""

@@ -32,10 +32,10 @@ from typing import Any, Optional
 
 import jax
 import numpy as np
-import yaml
 
 from scaleopt import models
 from scaleopt.models import hf
+from scaleopt.train import config as config_lib
 from scaleopt.train.config import ConfigError
 
 HF_EXTRAS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -62,16 +62,14 @@ class Source:
 def _run_source(ckpt: pathlib.Path, run_dir: pathlib.Path) -> Source:
   """A checkpoint of a run: the model from the run's config.yaml; config.json and tokenizer
   files from its ``model.init_from`` when that was a Hugging Face or converted directory."""
-  from scaleopt.train.bridge import model_config
-  section = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("model") or {}
-  cfg = model_config({k: v for k, v in section.items() if k not in ("wd_policy", "init_from")})
+  model = config_lib.saved_section(run_dir, "model")  # the recorded section names every field
   hf_dir = None
-  if section.get("init_from"):
+  if model.init_from:
     try:
-      hf_dir = open_source(section["init_from"]).hf_dir
+      hf_dir = open_source(model.init_from).hf_dir
     except SourceError:
       pass  # moved or deleted since: export without its config.json and tokenizer files
-  return Source("checkpoint", ckpt, cfg, hf_dir, run_dir)
+  return Source("checkpoint", ckpt, model.config, hf_dir, run_dir)
 
 
 def _checkpoint_dir(path: pathlib.Path, step: Optional[int]) -> pathlib.Path:
@@ -226,10 +224,9 @@ def _run_tokenizer(run_dir: pathlib.Path, out: pathlib.Path) -> dict:
   from scaleopt.train import identity
   tok = (identity.read(run_dir) or {}).get("tokenizer")
   if tok is None:  # a run from before data.json: its config's data section
-    d = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("data") or {}
-    tok = ({"name": "bytes", "file": None, "separator": 0}
-           if d.get("source", "embedded") == "embedded"
-           else identity.tokenizer_record(pathlib.Path(d["path"]).resolve()))
+    d = config_lib.saved_section(run_dir, "data")
+    tok = ({"name": "bytes", "file": None, "separator": 0} if d.source == "embedded"
+           else identity.tokenizer_record(pathlib.Path(d.path).resolve()))
   out.mkdir(parents=True, exist_ok=True)
   sep = tok.get("separator")
   if tok.get("file") and pathlib.Path(tok["file"]).is_file():
@@ -244,8 +241,8 @@ def _run_tokenizer(run_dir: pathlib.Path, out: pathlib.Path) -> dict:
 
 
 def _trained_seq_len(run_dir: pathlib.Path) -> Optional[int]:
-  d = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("data") or {}
-  return int(d["seq_len"]) if d.get("seq_len") else None
+  d = config_lib.saved_section(run_dir, "data")
+  return None if d is None else d.seq_len
 
 
 def export_hf(source: str | pathlib.Path, out: str | pathlib.Path, step: Optional[int] = None,

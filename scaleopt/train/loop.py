@@ -1,169 +1,35 @@
 """The training loop: set up, train, evaluate, checkpoint, log; resume exactly.
 
-``train(cfg, out_dir, resume)`` returns the summary dict. The host loop only dispatches: a
-background thread makes the device batches ahead (``_Prefetch``), each step's
-consecutive-skip counter is read two steps later (two steps stay in flight), and metrics are
-fetched every ``log_every`` steps.
+``train(cfg, out_dir, resume)`` returns the summary dict. ``run_cells`` is the one host loop,
+for an ordinary run (one cell) and for the study's vmapped cells (a cell axis,
+``scaleopt.study.vmapped``). It only dispatches: a background thread makes the device batches
+ahead (``Prefetch``), each step's consecutive-skip counter is read two steps later (two steps
+stay in flight), and metrics are fetched every ``log_every`` steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
 import queue
-import re
-import signal
 import sys
 import tempfile
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 
 from scaleopt import models, optim
-from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data, identity,
-                            mesh as mesh_lib, metrics, phased as phased_lib, step as step_lib)
+from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data, faults,
+                            identity, mesh as mesh_lib, metrics, phased as phased_lib,
+                            step as step_lib)
 from scaleopt.train.config import ConfigError, TrainConfig, dump_config
-
-EXIT_OK, EXIT_SKIPS, EXIT_SIGNAL = 0, 3, 143
 
 # Dense bf16 peak FLOP/s per chip, matched against ``device_kind``.
 _TPU_PEAK = {"v4": 275e12, "v5 lite": 197e12, "v5e": 197e12, "v5p": 459e12, "v6": 918e12}
-
-
-class SkipLimit(RuntimeError):
-  """Too many consecutive non-finite steps; the last good state was checkpointed."""
-
-
-class Interrupted(RuntimeError):
-  """SIGTERM / SIGINT (preemption, Ctrl-C): the state was checkpointed, resume with --resume."""
-
-
-class OutOfMemory(RuntimeError):
-  """The device ran out of memory compiling or running a step; the message is one line with
-  the bytes asked for, the device's limit and the settings that lower them."""
-
-
-_GIB = 2.0 ** 30
-_SIZE = r"([0-9.]+)\s*([KMGT]i?B?|bytes|B)"
-
-
-def _bytes(num: str, unit: str) -> float:
-  return float(num) * 1024 ** "BKMGT".index(unit[0] if unit[0] in "KMGT" else "B")
-
-
-def out_of_memory(e: BaseException, cfg: TrainConfig) -> Optional[OutOfMemory]:
-  """The one-line OutOfMemory for an XLA ``RESOURCE_EXHAUSTED`` / out-of-memory error (None
-  for any other error). Reads the bytes asked for from the message (XLA's GPU and CPU runtimes
-  say "allocate N bytes", its TPU compiler "Used X of Y hbm") and the limit from the message
-  or the device's memory pool."""
-  text = str(e)
-  if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
-    return None
-  m = (re.search(r"allocat\w*(?:\s+request\s+for)?\s+" + _SIZE, text)
-       or re.search(r"[Uu]sed\s+" + _SIZE, text))
-  asked = f"{_bytes(*m.groups()) / _GIB:.2f} GiB" if m else "an unreported amount"
-  lim = re.search(r"[Uu]sed\s+[0-9.]+\s*\S+\s+of\s+" + _SIZE, text)
-  pool = _bytes(*lim.groups()) if lim else _pool_bytes()
-  limit = f"{pool / _GIB:.2f} GiB" if pool else "unknown"
-  d, mdl = cfg.data, cfg.model.config
-  return OutOfMemory(
-      f"out of device memory: the step asked for {asked}, the device's limit is {limit}; "
-      f"lower it with more data.microbatches (now {d.microbatches}: data.batch_size="
-      f"{d.batch_size} in smaller pieces, also the evaluation's), model.remat (now "
-      f"{mdl.remat!r}; 'full' keeps the fewest activations), mesh.fsdp (now {cfg.mesh.fsdp}; "
-      f"parameters and optimizer state split over that many devices) or run.eval_tokens (now "
-      f"{cfg.run.eval_tokens}; the held-out set kept on the devices)")
-
-
-class _Signals:
-  """SIGTERM / SIGINT -> a stop the loop checks between steps; a second signal exits at once.
-
-  Python runs signal handlers only between bytecodes, so a main thread blocked in a device
-  wait would not see them. The C-level handler writes the signal number to a wakeup pipe
-  (``signal.set_wakeup_fd``) that a daemon thread reads: the first signal sets the flag (the
-  loop then checkpoints and stops), a second one ends the process immediately with
-  128 + signum, even if a computation hangs.
-
-  Multi-process runs (``jax.distributed`` with its preemption service, on by default) must
-  stop at the same step on every process. There SIGTERM is left to JAX's preemption notifier
-  (installed by ``jax.distributed.initialize``), a first SIGINT is forwarded to it as a
-  SIGTERM, and ``stop(step)`` is true on every process at the same step: Orbax's
-  ``reached_preemption`` (the processes exchange their step counters in the background once
-  any of them got the notice and agree on the next step after the largest; between notices
-  the check is local). A second SIGINT still exits at once; a second SIGTERM does nothing
-  (a hung multi-process run needs SIGINT twice or SIGKILL).
-  """
-
-  def __init__(self):
-    self.caught = None
-    self.agree = _preemption_service()
-    self._old, self._fds, self._old_fd, self._thread = {}, None, None, None
-
-  def __enter__(self):
-    if threading.current_thread() is not threading.main_thread():
-      return self
-    r, w = os.pipe()
-    os.set_blocking(w, False)
-    self._fds = (r, w)
-    for sig in (signal.SIGINT,) if self.agree else (signal.SIGTERM, signal.SIGINT):
-      self._old[sig] = signal.signal(sig, lambda *_: None)
-    self._old_fd = signal.set_wakeup_fd(w)
-    self._thread = threading.Thread(target=self._watch, args=(r,), daemon=True)
-    self._thread.start()
-    return self
-
-  def _watch(self, r: int) -> None:
-    while True:
-      try:
-        b = os.read(r, 1)
-      except OSError:
-        return
-      if not b:
-        return
-      if self.caught is None:
-        self.caught = signal.Signals(b[0]).name
-        where = ("with every process at the same step " if self.agree else "")
-        print(f"\n{self.caught}: stopping after this step {where}and checkpointing (send it "
-              "again to exit at once)", file=sys.stderr, flush=True)
-        if self.agree:  # JAX's preemption notifier spreads the notice to every process
-          os.kill(os.getpid(), signal.SIGTERM)
-      else:
-        os._exit(128 + b[0])
-
-  def stop(self, step: int) -> Optional[str]:
-    """The signal to stop for after ``step`` (None: go on); call it after every step."""
-    if not self.agree:
-      return self.caught
-    if not ocp.multihost.reached_preemption(step):
-      return None
-    print(f"preemption notice: every process stops after step {step} and checkpoints",
-          file=sys.stderr, flush=True)
-    return self.caught or "SIGTERM"
-
-  def __exit__(self, *exc):
-    if self._fds is None:
-      return
-    signal.set_wakeup_fd(self._old_fd)
-    for sig, old in self._old.items():
-      signal.signal(sig, old)
-    r, w = self._fds
-    os.close(w)  # the watcher reads EOF and returns
-    self._thread.join(timeout=5)
-    os.close(r)
-
-
-def _preemption_service() -> bool:
-  """JAX runs distributed with its preemption service (SIGTERM handled by its notifier)."""
-  if not jax.distributed.is_initialized():
-    return False
-  # public flag only (no jax._src): jax.distributed.initialize starts the service when it is on
-  return bool(jax.config.jax_enable_preemption_service)
 
 
 def peak_flops(device, override: Optional[float]) -> Optional[float]:
@@ -225,7 +91,7 @@ def _put(sharding, local: np.ndarray, global_shape: tuple) -> jax.Array:
   return jax.make_array_from_process_local_data(sharding, local, global_shape)
 
 
-class _Prefetch:
+class Prefetch:
   """Training batches on the devices, made ahead by a background thread (``it.next()`` and
   the host-to-device put; ``depth`` queued and one in hand), at most ``count`` of them.
 
@@ -453,28 +319,47 @@ def train(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False,
   intact checkpoint can be read or one cannot be written, SkipLimit after
   ``run.max_consecutive_skips`` non-finite steps in a row and Interrupted on SIGTERM/SIGINT.
   """
-  # Join a multi-process run first: its preemption notifier then owns SIGTERM (``_Signals``).
+  # Join a multi-process run first: its preemption notifier then owns SIGTERM
+  # (``faults.Signals``). Signals are caught from the start: one during set-up stops the run
+  # after its first step.
   mesh_lib.maybe_initialize_distributed(cfg.mesh.distributed)
-  with _Signals() as sig:  # from the start: a signal during set-up stops after the first step
+  with faults.Signals() as sig:
     try:
       return _train(cfg, out_dir, resume, s, sig)
     except Exception as e:  # noqa: BLE001 -- only out-of-memory is translated, the rest re-raises
-      oom = out_of_memory(e, cfg)
+      oom = faults.out_of_memory(e, cfg)
       if oom is None:
         raise
     raise oom  # outside the handler: no chained traceback, the step's arrays are freed
 
 
 @dataclasses.dataclass
-class _Outcome:
-  """What the host loop hands back."""
+class Cells:
+  """What the host loop drives: ``n`` cells trained by one step program. ``n = 1`` is the
+  ordinary run (its metrics have no cell axis); the study's vmapped cells are ``n > 1`` (every
+  metric has a leading cell axis, ``scaleopt.study.vmapped``)."""
+  n: int
+  step: Any  # _stepper's step(state, batch) -> (state, metrics), with .confirm and .fresh
+  feed: Any  # next() -> the next device batch; state() -> the iterator position(s) handed out
+  logs: list  # one metrics.MetricsLog per cell
+  evaluate: Callable  # state -> [n] mean held-out CE (NaN without a held-out set)
+  save: Callable  # (state, step, only_if_sound) -> whether it was saved
+  stop: Callable  # step -> why to stop after it (a signal name, "deadline") or None
+  prof: Any = None  # metrics.Profile (None: no profiling)
+  labels: Optional[list] = None  # per cell, the prefix of its progress lines (n > 1)
+
+
+@dataclasses.dataclass
+class Outcome:
+  """What the host loop hands back, per cell where it differs."""
   done: int
-  stopped: Optional[int] = None  # step of a non-finite stop
-  interrupted: Optional[str] = None  # signal name
+  diverged: np.ndarray  # [n] bool: the cell reached run.max_consecutive_skips
+  eval_loss: np.ndarray  # [n] at the last evaluation
+  stopped: Optional[int] = None  # step of a non-finite stop (every cell diverged)
+  interrupted: Optional[str] = None  # signal name or "deadline"
   stop_saved: bool = True  # the final state was checkpointed
-  last_losses: list = dataclasses.field(default_factory=list)
-  last_row: dict = dataclasses.field(default_factory=dict)
-  eval_loss: float = float("nan")
+  last_losses: np.ndarray = None  # [steps since the previous log, n]
+  last_rows: list = dataclasses.field(default_factory=list)  # per cell, the last metrics row
   phase_shifts: Optional[int] = None  # host-picked steps off the optimizer's count
 
 
@@ -516,21 +401,22 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
   log = metrics.MetricsLog(out, resume_step=step0 if start is not None else None,
                            tensorboard=r.tensorboard, enabled=is_main, wandb=r.wandb,
                            config=cfg.to_dict())
-  prof = metrics.Profile(out / "profile", r.profile)
   meter = metrics.Meter(s.spec.num_groups * d.batch_size * d.seq_len)
   shape, feed = batch_shape(s), None
   try:
     step = _stepper(s, fns, state, step0)  # compiles host-picked programs (timed as compile)
-    feed = _Prefetch(it, lambda b: {k: _put(fns.batch_sh, v, shape) for k, v in b.items()},
-                     max(0, r.steps - step0))
-    res = _run(cfg, s, state, step, feed, step0, log, meter, prof, save, evaluate, is_main,
-               sig)
+    feed = Prefetch(it, lambda b: {k: _put(fns.batch_sh, v, shape) for k, v in b.items()},
+                    max(0, r.steps - step0))
+    cells = Cells(1, step, feed, [log], lambda st: np.array([evaluate(
+        optim.eval_params(st.opt_state, st.params))]), save, sig.stop,
+        metrics.Profile(out / "profile", r.profile))
+    res, _ = run_cells(cfg, s, cells, state, step0, meter, is_main)
   finally:
     if feed is not None:
       feed.close()
     log.close()
     ckpt.close()
-  summary = {**_summary(cfg, s, res, meter, start), **eval_identity(ev)}
+  summary = {**summarize(cfg, s, res, meter, start), **eval_identity(ev)}
   if is_main:
     metrics.write_summary(out, summary)
     if r.plot:
@@ -608,12 +494,12 @@ def _restore_or_init(cfg: TrainConfig, s: Setup, fns: Compiled, it: data.Batches
   return None, state, ckpt
 
 
-def _raise_for_stop(res: _Outcome, ckpt: checkpoint.Checkpointer, max_skips: int) -> None:
+def _raise_for_stop(res: Outcome, ckpt: checkpoint.Checkpointer, max_skips: int) -> None:
   """Interrupted after a signal, SkipLimit after a non-finite stop (naming what was kept)."""
   d = ckpt.dir
   if res.interrupted is not None:
-    raise Interrupted(f"{res.interrupted} at step {res.done}: the state is checkpointed in "
-                      f"{d}/{res.done}; continue with --resume")
+    raise faults.Interrupted(f"{res.interrupted} at step {res.done}: the state is "
+                             f"checkpointed in {d}/{res.done}; continue with --resume")
   if res.stopped is not None:
     good = ckpt.last_good_step()
     where = (f"the state at the stop is checkpointed in {d}/{res.done}" if res.stop_saved
@@ -621,8 +507,9 @@ def _raise_for_stop(res: _Outcome, ckpt: checkpoint.Checkpointer, max_skips: int
              f"{checkpoint.GROWTH:g}x)")
     keep = (f"; the newest checkpoint from before the trouble, {d}/{good}, is kept"
             if good is not None else "")
-    raise SkipLimit(f"stopped at step {res.done}: {max_skips} consecutive steps had a "
-                    f"non-finite loss or update (parameters were left untouched); {where}{keep}")
+    raise faults.SkipLimit(f"stopped at step {res.done}: {max_skips} consecutive steps had a "
+                           f"non-finite loss or update (parameters were left untouched); "
+                           f"{where}{keep}")
 
 
 def _flops(cfg: TrainConfig, s: Setup) -> tuple[float, Optional[float]]:
@@ -633,29 +520,31 @@ def _flops(cfg: TrainConfig, s: Setup) -> tuple[float, Optional[float]]:
   return per_token, (peak * jax.device_count() if peak else None)
 
 
-def _summary(cfg: TrainConfig, s: Setup, res: _Outcome, meter: metrics.Meter, start) -> dict:
+def summarize(cfg: TrainConfig, s: Setup, res: Outcome, meter: metrics.Meter, start,
+              cell: int = 0) -> dict:
+  """One cell's summary.json. Throughput and wall time are the cells' shares (``n`` cells
+  train in one program: the meter counts the tokens of all of them); ``mfu`` is the devices'."""
   flops_per_token, peak_all = _flops(cfg, s)
-  tps_run = meter.overall()
+  n = len(res.diverged)
+  tps_all = meter.overall()
+  losses = None if res.last_losses is None else res.last_losses[:, cell]
   return {
-      "steps": res.done, "tokens": res.done * meter.tps_unit,
-      "final_train_loss": float(np.mean(res.last_losses)) if res.last_losses else None,
-      "final_eval_loss": res.eval_loss, "wall_time_s": time.time() - meter.t0,
-      "compile_s": meter.compile_s, "tokens_per_s": tps_run,
+      "steps": res.done, "tokens": res.done * meter.tps_unit // n,
+      "final_train_loss": float(np.mean(losses)) if losses is not None else None,
+      "final_eval_loss": float(res.eval_loss[cell]),
+      "wall_time_s": (time.time() - meter.t0) / n,
+      "compile_s": meter.compile_s, "tokens_per_s": tps_all / n,
       "params": models.count_params(s.model.cfg),
-      "mfu": tps_run * flops_per_token / peak_all if peak_all else None,
-      "skipped_steps": res.last_row.get("skipped", 0), "optimizer": cfg.optimizer.name,
+      "mfu": tps_all * flops_per_token / peak_all if peak_all else None,
+      "skipped_steps": res.last_rows[cell].get("skipped", 0) if res.last_rows else 0,
+      "optimizer": cfg.optimizer.name,
       "layout": s.spec.layout, "sweeps_per_step": bridge.passes_per_step(s.spec),
       "optimizer_numerics": optim.resolved_numerics(cfg.optimizer),
       "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
       "resumed_from": start,
-      "stopped_early": res.stopped is not None or res.interrupted is not None,
+      "stopped_early": bool(res.diverged[cell]) or res.interrupted is not None,
       "interrupted_by": res.interrupted, "phase_shifts": res.phase_shifts,
   }
-
-
-def _pool_bytes() -> Optional[int]:
-  """The memory pool of this process's first device, in bytes (None where unknown: CPU)."""
-  return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
 def _stepper(s: Setup, fns: Compiled, state, step0: int):
@@ -669,7 +558,7 @@ def _stepper(s: Setup, fns: Compiled, state, step0: int):
                      checkpoint.abstract(fns.state_shape, fns.state_sh),
                      abstract_batch(s, fns.batch_sh))
   need = fns.phased.side_by_side_bytes()
-  limit = _pool_bytes()
+  limit = faults.pool_bytes()
   fits = not (limit and need > 0.97 * limit)
   if jax.process_count() > 1:  # every process runs the same programs
     from jax.experimental import multihost_utils
@@ -698,80 +587,105 @@ def log_line(row: dict, steps: int) -> str:
   return " ".join(parts)
 
 
-def _run(cfg, s, state, step, feed, step0, log, meter, prof, save, evaluate, is_main,
-         sig) -> _Outcome:
-  """The host loop from ``step0`` to ``run.steps`` (or a stop) over ``feed``'s device
-  batches, each step run by ``step`` (``_stepper``); checkpoints via ``save``."""
-  r = cfg.run
+def _per_cell(m: dict, n: int) -> list[dict]:
+  """A step's host metrics (scalars, each with a leading cell axis or, for the ordinary run,
+  none) as one dict of scalars per cell."""
+  flat = {k: np.reshape(v, (n,)) for k, v in m.items()}
+  return [{k: v[i] for k, v in flat.items()} for i in range(n)]
+
+
+def run_cells(cfg: TrainConfig, s: Setup, cells: Cells, state, step0: int,
+              meter: metrics.Meter, is_main: bool = True) -> tuple[Outcome, Any]:
+  """The host loop from ``step0`` to ``run.steps`` or a stop: ``(outcome, final state)``.
+
+  Each step runs ``cells.step`` on ``cells.feed``'s next batch; the consecutive-skip counters
+  are read two steps behind (reading the newest would wait for the step just launched), the
+  metrics every ``run.log_every`` steps, the held-out loss every ``run.eval_every``. A cell
+  whose counter reaches ``run.max_consecutive_skips`` is marked diverged (its skipped steps
+  leave its parameters untouched); the run stops when every cell has, or when ``cells.stop``
+  gives a reason. The final state is always checkpointed, after a non-finite stop only if
+  ``cells.save`` finds it sound."""
+  r, n = cfg.run, cells.n
   flops_per_token, peak_all = _flops(cfg, s)
+  prof = cells.prof or metrics.Profile(None, None)
   bar = None
-  if r.progress and is_main:
+  if r.progress and is_main and n == 1:
     from tqdm import tqdm
     bar = tqdm(total=r.steps, initial=step0, desc="train", unit="step", dynamic_ncols=True,
                mininterval=0.5)
-  res = _Outcome(done=step0)
+  res = Outcome(done=step0, diverged=np.zeros(n, bool), eval_loss=np.full(n, np.nan))
   pending: list[dict] = []  # device metrics of the steps since the last log
-  # the consecutive-skip counters of the last two steps, each read two steps after its step
-  # (reading the newest would wait for the step just launched: two steps stay in flight)
-  behind: list = []
+  behind: list = []  # the skip counters of the last two steps, each read two steps later
   for t in range(step0, r.steps):
-    batch = feed.next()
+    batch = cells.feed.next()
     prof.before(t)
-    state, m = step(state, batch)
+    state, m = cells.step(state, batch)
     res.done = done = t + 1
     prof.after(done, m["loss"])
     if meter.compile_s is None:
       jax.block_until_ready(m["loss"])
       meter.first_step_done(done)
-    elif step.fresh:  # a host-picked program's first run
+    elif cells.step.fresh:  # a host-picked program's first run
       jax.block_until_ready(m["loss"])
       meter.restart(done)
     pending.append(m)
     if len(behind) == 2:
-      consec = int(behind.pop(0))
-      step.confirm(consec > 0)
-      if consec >= r.max_consecutive_skips:
-        res.stopped = done
+      consec = np.reshape(jax.device_get(behind.pop(0)), (n,))
+      cells.step.confirm(bool(consec[0] > 0))  # host-picked programs: one cell only
+      res.diverged |= consec >= r.max_consecutive_skips
     behind.append(m["consec"])
-    res.interrupted = sig.stop(done)
-    halt = res.stopped is not None or res.interrupted is not None
+    res.interrupted = cells.stop(done)
     is_eval = (r.eval_every and done % r.eval_every == 0) or done == r.steps
-    if done % r.log_every == 0 or is_eval or halt:
-      fetched = jax.device_get(pending)
+    if (done % r.log_every == 0 or is_eval or res.diverged.all()
+        or res.interrupted is not None):
+      _log(cfg, cells, res, state, jax.device_get(pending), meter, is_eval, is_main, bar,
+           flops_per_token, peak_all)
       pending = []
-      tps = meter.interval(done)
-      res.last_losses = [float(x["loss"]) for x in fetched]
-      row = metrics.step_row(done, fetched[-1], done * meter.tps_unit, tps)
-      if peak_all and tps == tps:
-        row["mfu"] = tps * flops_per_token / peak_all
-      if is_eval:
-        row["eval_loss"] = res.eval_loss = evaluate(
-            optim.eval_params(state.opt_state, state.params))
-        meter.pause_done()
-      log.write(row)
-      log.flush()
-      res.last_row = row
-      if bar is not None:
-        bar.set_postfix(loss=f"{row['loss']:.3f}",
-                        **({"eval": f"{res.eval_loss:.3f}"} if is_eval else {}))
-      elif is_main:  # no bar (run.progress=false, batch jobs): one line per log
-        print(log_line(row, r.steps), flush=True)
-      if row["consec"] >= r.max_consecutive_skips:
-        res.stopped = done
+    if res.diverged.all():
+      res.stopped = done
     if bar is not None:
       bar.update(1)
     if res.stopped is not None or res.interrupted is not None:
       break
     if r.checkpoint_every and done % r.checkpoint_every == 0 and done != r.steps:
-      save(state, done)
+      cells.save(state, done)
   if bar is not None:
     bar.close()
-  if isinstance(step, phased_lib.Dispatcher):
-    res.phase_shifts = step.shifts
+  if isinstance(cells.step, phased_lib.Dispatcher):
+    res.phase_shifts = cells.step.shifts
   prof.close(state.step)
   if res.done == step0:  # nothing left to train (resuming a finished run)
-    res.eval_loss = evaluate(optim.eval_params(state.opt_state, state.params))
+    res.eval_loss = cells.evaluate(state)
   # Always the final / interrupted state; after a non-finite stop only if it did not blow up
   # (a stopped state is never healthy, so the newest healthy checkpoint is kept either way).
-  res.stop_saved = save(state, res.done, only_if_sound=res.stopped is not None)
-  return res
+  res.stop_saved = cells.save(state, res.done, only_if_sound=res.stopped is not None)
+  return res, state
+
+
+def _log(cfg, cells: Cells, res: Outcome, state, fetched: list, meter, is_eval: bool,
+         is_main: bool, bar, flops_per_token: float, peak_all: Optional[float]) -> None:
+  """One logged step: a metrics row per cell (and the held-out loss on an eval step), the
+  progress bar or one line per cell; marks cells whose skip counter is at the limit."""
+  n, done = cells.n, res.done
+  tps = meter.interval(done)  # of all cells together
+  res.last_losses = np.asarray([np.reshape(f["loss"], (n,)) for f in fetched], np.float64)
+  rows = [metrics.step_row(done, m, done * meter.tps_unit // n, tps / n)
+          for m in _per_cell(fetched[-1], n)]
+  if is_eval:
+    res.eval_loss = cells.evaluate(state)
+    meter.pause_done()
+  for i, (row, log) in enumerate(zip(rows, cells.logs)):
+    if peak_all and tps == tps:
+      row["mfu"] = tps * flops_per_token / peak_all  # the devices' (all cells together)
+    if is_eval:
+      row["eval_loss"] = float(res.eval_loss[i])
+    log.write(row)
+    log.flush()
+    res.diverged[i] |= row["consec"] >= cfg.run.max_consecutive_skips
+    if bar is None and is_main:  # no bar (run.progress=false, batch jobs, cells)
+      label = f"{cells.labels[i]} " if cells.labels else ""
+      print(label + log_line(row, cfg.run.steps), flush=True)
+  res.last_rows = rows
+  if bar is not None:
+    bar.set_postfix(loss=f"{rows[0]['loss']:.3f}",
+                    **({"eval": f"{res.eval_loss[0]:.3f}"} if is_eval else {}))

@@ -17,7 +17,7 @@ def train_main(config_path: str, out_dir: str, overrides: list[str] | None = Non
   ``dry_run``: make every check a run makes before its first step, trace the step, write
   nothing.
   """
-  from scaleopt.train import checkpoint, loop, runfolder
+  from scaleopt.train import checkpoint, faults, loop, runfolder
   try:
     cfg = load_config(config_path, overrides or [])
     runfolder.check_local(out_dir)
@@ -37,15 +37,15 @@ def train_main(config_path: str, out_dir: str, overrides: list[str] | None = Non
   except OSError as e:  # e.g. the disk filled up while writing metrics
     print(f"error: {e}", file=sys.stderr)
     return 2
-  except loop.OutOfMemory as e:
+  except faults.OutOfMemory as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  except loop.SkipLimit as e:
+  except faults.SkipLimit as e:
     print(f"error: {e}", file=sys.stderr)
-    return loop.EXIT_SKIPS
-  except loop.Interrupted as e:
+    return faults.EXIT_SKIPS
+  except faults.Interrupted as e:
     print(f"interrupted: {e}", file=sys.stderr)
-    return loop.EXIT_SIGNAL
+    return faults.EXIT_SIGNAL
   if summary["final_train_loss"] is None:  # resumed a finished run: nothing was trained
     print(f"done: already at step {summary['steps']}, eval loss "
           f"{summary['final_eval_loss']:.4f}; outputs in {out_dir}")

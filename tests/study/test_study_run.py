@@ -115,7 +115,7 @@ def test_deadline_signals_only_the_training_loops_handler():
   got = []
   st = runner._Stop(0.0005)
   with st:
-    old = signal.signal(signal.SIGTERM, lambda *a: got.append(a[0]))  # as loop._Signals does
+    old = signal.signal(signal.SIGTERM, lambda *a: got.append(a[0]))  # as faults.Signals does
     try:
       deadline = time.time() + 5
       while not got and time.time() < deadline:

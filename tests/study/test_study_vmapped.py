@@ -73,6 +73,36 @@ def test_vmapped_cells_equal_ordinary_runs_and_share_one_compile(tmp_path):
   assert res2.status == ["ok", "ok"] and res2.train_loss[0] != res.train_loss[0]
 
 
+@pytest.mark.integration
+def test_a_diverged_cell_is_marked_and_the_group_stops_only_when_every_cell_has(tmp_path,
+                                                                                capsys):
+  """The trainer's skip guard per cell: a cell whose steps are non-finite (lr 1e30) reaches
+  run.max_consecutive_skips and is marked diverged while its neighbour trains to the end;
+  a group whose every cell diverges stops there, as an ordinary run does."""
+  def cfg(lr, seed):
+    raw = copy.deepcopy(_cfg(lr, seed, steps=12).to_dict())
+    raw["run"]["max_consecutive_skips"] = 3
+    raw["optimizer"].update(name="adamw", extra={})
+    return C.from_dict(raw)
+
+  res = vmapped.train_group([cfg(1e30, 0), cfg(3e-3, 1)], [tmp_path / "a", tmp_path / "b"],
+                            resume_step=None)
+  assert res.status == ["diverged", "ok"]
+  rows = [metrics.read_metrics(tmp_path / d / "metrics.jsonl") for d in "ab"]
+  assert [r["step"] for r in rows[1]] == list(range(1, 13))
+  assert rows[0][-1]["consec"] >= 3 and rows[1][-1]["consec"] == 0
+  assert np.isfinite(res.test_loss[1]) and res.test_loss[1] < res.train_loss[1] + 1.0
+  assert json.loads((tmp_path / "a" / "summary.json").read_text())["stopped_early"] is True
+  out = capsys.readouterr().out  # one progress line per cell and log (run.progress is off)
+  assert "[lr 0.003 seed 1] step 12/12 loss" in out
+
+  res = vmapped.train_group([cfg(1e30, 0), cfg(2e30, 1)], [tmp_path / "c", tmp_path / "d"],
+                            resume_step=None)
+  assert res.status == ["diverged", "diverged"]
+  last = metrics.read_metrics(tmp_path / "c" / "metrics.jsonl")[-1]["step"]
+  assert last < 12 and json.loads((tmp_path / "c" / "summary.json").read_text())["steps"] == last
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, extra", [
     ("sophia_bc", {"mode": "full", "crossfit": "rolling_b", "k": 2}),

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from scaleopt import cli
-from scaleopt.train import checkpoint, config as C, data as D, loop, metrics
+from scaleopt.train import checkpoint, config as C, data as D, faults, loop, metrics
 
 from train_helpers import reference_run, tiny_raw
 
@@ -239,7 +239,7 @@ def test_nonfinite_stop_keeps_checkpoint_from_before_the_trouble(tmp_path):
   cfg = C.from_dict(raw)
   s = loop.setup(cfg)
   s.tx = _faulty(s.tx, explode_at=6, nan_from=8)
-  with pytest.raises(loop.SkipLimit) as e:
+  with pytest.raises(faults.SkipLimit) as e:
     loop.train(cfg, tmp_path, s=s)
   steps = _ckpt_steps(tmp_path)
   ck = checkpoint.Checkpointer(tmp_path / "checkpoints", 2, False)

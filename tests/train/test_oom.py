@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from scaleopt import cli
-from scaleopt.train import config as C, loop
+from scaleopt.train import config as C, faults, loop
 
 from train_helpers import tiny_raw
 
@@ -17,15 +17,15 @@ TPU = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory i
 
 def test_out_of_memory_message_names_bytes_limit_and_knobs(monkeypatch):
   cfg = C.from_dict(tiny_raw(run={"eval_tokens": 4096}, model={"remat": "dots"}))
-  monkeypatch.setattr(loop, "_pool_bytes", lambda: 80 * 2**30)
-  msg = str(loop.out_of_memory(jax.errors.JaxRuntimeError(GPU), cfg))
+  monkeypatch.setattr(faults, "pool_bytes", lambda: 80 * 2**30)
+  msg = str(faults.out_of_memory(jax.errors.JaxRuntimeError(GPU), cfg))
   assert "\n" not in msg
   for words in ("asked for 147.46 GiB", "limit is 80.00 GiB", "data.microbatches (now 2",
                 "model.remat (now 'dots'", "mesh.fsdp (now 1", "run.eval_tokens (now 4096"):
     assert words in msg, (words, msg)
-  msg = str(loop.out_of_memory(RuntimeError(TPU), cfg))  # the limit from the message
+  msg = str(faults.out_of_memory(RuntimeError(TPU), cfg))  # the limit from the message
   assert "asked for 20.53 GiB" in msg and "limit is 15.48 GiB" in msg
-  assert loop.out_of_memory(ValueError("shapes do not match"), cfg) is None
+  assert faults.out_of_memory(ValueError("shapes do not match"), cfg) is None
 
 
 def test_first_step_out_of_memory_is_one_line_exit_2(monkeypatch, capsys, tmp_path):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from scaleopt.optim import phases
-from scaleopt.train import checkpoint, config as C, loop, phased
+from scaleopt.train import checkpoint, config as C, faults, loop, phased
 
 from train_helpers import tiny_raw
 
@@ -116,6 +116,6 @@ def test_programs_that_do_not_fit_side_by_side_fall_back_to_one(monkeypatch, cap
   fns = loop.compile_fns(s)
   state = fns.init()
   assert isinstance(loop._stepper(s, fns, state, 0), phased.Dispatcher)  # CPU: no pool limit
-  monkeypatch.setattr(loop, "_pool_bytes", lambda: 2 ** 20)  # 1 MiB per device
+  monkeypatch.setattr(faults, "pool_bytes", lambda: 2 ** 20)  # 1 MiB per device
   assert isinstance(loop._stepper(s, fns, state, 0), phased.OneProgram)
   assert "running one program with device branches" in capsys.readouterr().err

@@ -16,7 +16,7 @@ import yaml
 
 from scaleopt.train import config as C
 from scaleopt.train import data as D
-from scaleopt.train import loop, metrics
+from scaleopt.train import faults, loop, metrics
 
 from train_helpers import run_until, tiny_raw, val_unigram_entropy
 
@@ -144,7 +144,7 @@ def test_nonfinite_steps_are_skipped_then_run_stops(tmp_path):
     return logits * jnp.nan, aux
 
   s.model = dataclasses.replace(s.model, apply=nan_apply, loss_apply=None)
-  with pytest.raises(loop.SkipLimit, match="3 consecutive"):
+  with pytest.raises(faults.SkipLimit, match="3 consecutive"):
     loop.train(cfg, tmp_path, s=s)
   rows = _rows(tmp_path)
   assert rows[-1]["skipped"] >= 3 and rows[-1]["step"] <= 5

@@ -166,9 +166,9 @@ def test_batches_made_ahead_keep_order_position_and_errors():
   """The trainer's background batches: handed out in order, ``state()`` the position after the
   batches handed out (not after those made ahead), an iterator error raised by the ``next()``
   that reaches it, never earlier; ``close()`` returns while the thread waits on a full queue."""
-  from scaleopt.train.loop import _Prefetch
+  from scaleopt.train.loop import Prefetch
   rows = _Rows(fail_at=3)
-  feed = _Prefetch(rows, lambda b: b, count=10)
+  feed = Prefetch(rows, lambda b: b, count=10)
   assert feed.state() == {"chunk": 0}
   for k in range(3):
     assert int(feed.next()["tokens"][0, 0, 0]) == k
@@ -176,11 +176,11 @@ def test_batches_made_ahead_keep_order_position_and_errors():
   with pytest.raises(D.DataError, match="chunk 3"):
     feed.next()
   feed.close()
-  full = _Prefetch(_Rows(), lambda b: b, count=100, depth=1)
+  full = Prefetch(_Rows(), lambda b: b, count=100, depth=1)
   assert int(full.next()["tokens"][0, 0, 0]) == 0
   full.close()
   assert not full._thread.is_alive()
-  done = _Prefetch(_Rows(), lambda b: b, count=1)
+  done = Prefetch(_Rows(), lambda b: b, count=1)
   done.next()
   with pytest.raises(RuntimeError, match="more batches asked"):
     done.next()
