@@ -59,6 +59,8 @@ CONFIGS = {
     # over the 4 microbatches with the Jensen correction
     "soap": dict(name="soap"),
     "soap_high": dict(name="soap", extra=dict(matmul_precision="high")),
+    # Shampoo's blocks of 512: eigh / QR of 512 x 512 blocks instead of up to 3072 x 3072
+    "soap_b512": dict(name="soap", extra=dict(block_size=512)),
     "soap_bc": dict(name="soap_bc"),
 }
 
