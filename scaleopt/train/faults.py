@@ -21,6 +21,7 @@ from scaleopt.train.config import TrainConfig
 
 EXIT_SKIPS, EXIT_SIGNAL = 3, 143
 
+
 class SkipLimit(RuntimeError):
   """Too many consecutive non-finite steps; the last good state was checkpointed."""
 
