@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call of the bc_paper_gpt2 study (docs/results.md, "Table 2 in the paper's regime"),
+# from the repo root of the device's copy: `run` with kind nvidia-h200-x2 and
+#   bash lab/gpu/bc_paper_gpt2_call.sh MINUTES
+# The offline corpus is built once per machine into runs/corpus (ignored by git, so a warm
+# machine keeps it, and the cells' checkpoints in runs/, between calls made back to back);
+# then one worker per GPU trains whole conditions until MINUTES after the start of the call and
+# checkpoints (every 100 steps, and at the stop). $OUT gets the finished cells (cells.jsonl),
+# the worker logs' tails and the corpus log; merge cells.jsonl into
+# docs/studies/bc_paper_gpt2/ and rebuild the report with --report-only.
+set -uo pipefail
+minutes=${1:-8}
+start=$(date +%s)
+export PYTHONPATH=.
+out=${OUT:-/tmp/bc_paper_out}
+mkdir -p runs "$out"
+nvidia-smi -L > "$out/gpus.txt" 2>&1
+if [ ! -f runs/corpus/manifest.json ]; then
+  nice python scripts/offline_corpus.py --out runs/corpus --val-fraction 0.04 \
+    > "$out/corpus.log" 2>&1 || { tail -20 "$out/corpus.log"; exit 1; }
+fi
+left=$(( minutes * 60 - ($(date +%s) - start) ))
+[ "$left" -ge 120 ] || { echo "only $left s left after the corpus"; exit 0; }
+scripts/study_workers.sh "$(awk "BEGIN{print $left / 60}")" runs \
+  "studies/bc_paper_gpt2@data.path=runs/corpus"
+cp runs/bc_paper_gpt2/cells.jsonl "$out/" 2>/dev/null
+for f in runs/worker*.log; do tail -n 40 "$f" > "$out/$(basename "$f")"; done
+ls runs/bc_paper_gpt2/cells 2>/dev/null | head -20
