@@ -122,7 +122,8 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 import importlib
-C = importlib.import_module("scaleopt.optim.collect")  # the module (optim.collect is the function)
+C = importlib.import_module("scaleopt.optim.collect")  # the package (optim.collect is the function)
+AXIS = importlib.import_module("scaleopt.optim.collect.microbatch")._AXIS  # the active axis
 from scaleopt.optim import sophia_lib as S
 mesh = Mesh(np.array(jax.devices()).reshape(4), ("data",))
 rng = np.random.default_rng(0)
@@ -140,11 +141,11 @@ def mbs(m):
 
 def split_and_not(f):
   def on_axis():
-    token = C._AXIS.set(C.MicrobatchAxis("data", 4, mesh=mesh))
+    token = AXIS.set(C.MicrobatchAxis("data", 4, mesh=mesh))
     try:
       return f()
     finally:
-      C._AXIS.reset(token)
+      AXIS.reset(token)
   return jax.tree.leaves(jax.jit(f)()), jax.tree.leaves(jax.jit(on_axis)())
 
 grad_fn = C.value_and_grad_fn(loss_fn)
