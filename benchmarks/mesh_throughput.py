@@ -450,15 +450,14 @@ def cell_table(rows: list[dict], cell_tokens: int, fast: dict) -> str:
          "the compile; evaluation not included):", "",
          "| configuration | GPUs | preset | tokens/step | tokens/s | steps | minutes | "
          "vs adamw |", "|---|---|---|---|---|---|---|---|"]
+  minutes = lambda r: (cell_tokens / r["tokens_per_s"] + r.get("compile_s", 0.0)) / 60
   for r in rows:
     if "error" in r:
       continue
-    minutes = (cell_tokens / r["tokens_per_s"] + r.get("compile_s", 0.0)) / 60
     f = fast.get((r["n"], r["preset"], r["seq"], _tokens(r)))
-    vs = (f"{minutes / ((cell_tokens / f['tokens_per_s'] + f.get('compile_s', 0.0)) / 60):.2f}x"
-          if f else "-")
+    vs = f"{minutes(r) / minutes(f):.2f}x" if f else "-"
     out.append(f"| {r['name']} | {r['n']} | {r['preset']} | {_tokens(r)} | "
-               f"{r['tokens_per_s']:,.0f} | {-(-cell_tokens // _tokens(r))} | {minutes:.1f} | "
+               f"{r['tokens_per_s']:,.0f} | {-(-cell_tokens // _tokens(r))} | {minutes(r):.1f} | "
                f"{vs} |")
   return "\n".join(out)
 

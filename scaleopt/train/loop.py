@@ -358,7 +358,7 @@ class Outcome:
   stopped: Optional[int] = None  # step of a non-finite stop (every cell diverged)
   interrupted: Optional[str] = None  # signal name or "deadline"
   stop_saved: bool = True  # the final state was checkpointed
-  last_losses: np.ndarray = None  # [steps since the previous log, n]
+  last_losses: Optional[np.ndarray] = None  # [steps since the previous log, n]
   last_rows: list = dataclasses.field(default_factory=list)  # per cell, the last metrics row
   phase_shifts: Optional[int] = None  # host-picked steps off the optimizer's count
 
