@@ -22,8 +22,9 @@ cell present. A vmapped unit that runs out of device
 memory is split in halves (and the group's limit kept in ``DIR/at_once``), down to one cell.
 
 Several workers on one machine (one per GPU) share one ``--out`` with ``--claim TOKEN``: each
-worker takes whole conditions, the next unfinished one first, by creating
-``DIR/claims/TOKEN/<k>`` (an atomic ``mkdir``), so slow and fast conditions balance themselves.
+worker takes whole conditions (vmap engine) or single cells (loop engine), the next unfinished
+one first, by creating ``DIR/claims/TOKEN/<k>`` (an atomic ``mkdir``), so slow and fast
+conditions balance themselves.
 All workers of one launch use the same token; a new launch uses a new token, so claims of an
 interrupted launch never block it. Whatever the tokens, a cell trains in one process at a time:
 a worker takes the owner lock of the cell's folder (``scaleopt.train.runfolder.owner``) without
@@ -288,29 +289,37 @@ def select(st: Study, cells: list[Cell], shard: Optional[str], patterns: Optiona
 
 
 class _Claims:
-  """The conditions this worker holds under ``DIR/claims/TOKEN`` (``--claim``)."""
+  """What this worker holds under ``DIR/claims/TOKEN`` (``--claim``): whole conditions with
+  the vmap engine (a condition's cells train as one compile group), single cells with the loop
+  engine (one cell per process anyway, so the GPUs stay busy to the end of a study)."""
 
   def __init__(self, st: Study, out: pathlib.Path, token: str):
     if not token or not all(ch.isalnum() or ch in "-_." for ch in token) or token[0] == ".":
       raise ConfigError(f"--claim {token!r} must be a name of letters, digits, - _ .")
     self.dir = out / "claims" / token
     self.index = {c: k for k, c in enumerate(conditions(st))}
+    self.per_cell = st.engine == "loop"
     self.held: set = set()
 
+  def _key(self, c: Cell) -> str:
+    k = str(self.index[c.condition])
+    return f"{k}_{c.id.replace('/', '_')}" if self.per_cell else k
+
   def mine(self, todo: list[Cell]) -> list[Cell]:
-    """The cells of held conditions; when none are left, claims the first free condition
-    with unfinished cells."""
-    own = [c for c in todo if self.index[c.condition] in self.held]
+    """The cells this worker holds; when none are left, claims the first free condition (or
+    cell) with unfinished cells."""
+    own = [c for c in todo if self._key(c) in self.held]
     if own:
       return own
     self.dir.mkdir(parents=True, exist_ok=True)
-    for k in sorted({self.index[c.condition] for c in todo} - self.held):
+    keys = [k for k in dict.fromkeys(map(self._key, todo)) if k not in self.held]
+    for k in sorted(keys, key=lambda k: int(k.split("_")[0])):  # stable: plan order within
       try:
-        (self.dir / str(k)).mkdir()
+        (self.dir / k).mkdir()
       except FileExistsError:
         continue
       self.held.add(k)
-      return [c for c in todo if self.index[c.condition] == k]
+      return [c for c in todo if self._key(c) == k]
     return []
 
 

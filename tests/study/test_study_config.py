@@ -138,6 +138,27 @@ def test_claiming_workers_hold_whole_conditions_and_share_everything(tmp_path):
     runner._Claims(st, tmp_path, "../x")
 
 
+def test_claiming_workers_hold_single_cells_with_the_loop_engine(tmp_path):
+  """With the loop engine (one cell per process) workers claim cells, in plan order: the two
+  seeds of a condition go to two workers, and every cell is claimed exactly once."""
+  raw = dict(_raw(), seeds=[0, 1], engine={"kind": "loop"})
+  st = SC.from_dict(raw, BC_TINY)
+  cells = st.search_cells()
+  workers = [runner._Claims(st, tmp_path, "launch1") for _ in range(3)]
+  first = [w.mine(cells) for w in workers]
+  assert [len(p) for p in first] == [1, 1, 1]
+  assert [p[0] for p in first] == cells[:3]  # the next unfinished cell first
+  todo, taken = list(cells), []
+  while todo:
+    todo = [c for c in todo if c not in taken]
+    got = [c for w in workers for c in w.mine([c for c in todo if c not in taken])]
+    if not got:
+      break
+    taken += got
+  assert sorted(c.id for c in taken) == sorted(c.id for c in cells)  # each exactly once
+  assert len(taken) == len({c.id for c in taken})
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "studies").glob("*.yaml")),
                          ids=lambda p: p.stem)
 def test_shipped_studies_validate(path):
