@@ -5,7 +5,7 @@
   PYTHONPATH=. python benchmarks/mesh_throughput.py --quick      # CPU smoke run (2 devices)
 
 A configuration is ``AXISN[+option...]``: AXIS one of data / fsdp / tensor, N its size (the
-number of GPUs; ``data1`` is the one-GPU baseline, run with ``CUDA_VISIBLE_DEVICES=0``).
+number of GPUs; ``data1`` is the one-GPU baseline, run on the first visible GPU).
 Options: ``legacy`` (the model without its sharding constraints and with the unfused loss: the
 program before the FSDP fix), ``unfused`` (plain float32-logits loss), ``mK`` (K
 microbatches), ``bN`` (N sequences per step), ``pNAME`` (model preset), ``chunksK`` (fused
@@ -57,7 +57,9 @@ and preset options (same run, same card). Further columns:
 (training at its tokens/s plus its compile; the paper's Table 2 cell is 262144000), e.g.
 ``--configs data1+b512+m64+optadamw,data1+b512+m64+optadamw_bc+ecrossfit=loo``.
 
-A multi-GPU configuration sees the first N GPUs (``CUDA_VISIBLE_DEVICES=0..N-1``).
+A multi-GPU configuration sees the first N GPUs (``CUDA_VISIBLE_DEVICES=0..N-1``), or the
+first N of the caller's ``CUDA_VISIBLE_DEVICES`` when it is set; GPU numbers given on the
+command line (``--single-gpu``) count within that list too.
 """
 
 from __future__ import annotations
@@ -315,14 +317,25 @@ def run_group(cs: list[dict], stop_at: float) -> None:
       print(json.dumps(r), flush=True)
 
 
+def visible_gpus(positions: list[int]) -> str:
+  """CUDA_VISIBLE_DEVICES for the GPUs at ``positions`` among those this process may use: the
+  caller's CUDA_VISIBLE_DEVICES when set (``CUDA_VISIBLE_DEVICES=2,3`` runs ``data1`` on GPU 2
+  and ``fsdp2`` on 2 and 3), else all GPUs in order."""
+  mine = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+  if mine and max(positions) >= len(mine):
+    raise SystemExit(f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} has "
+                     f"{len(mine)} GPU(s); the configuration needs {max(positions) + 1}")
+  return ",".join(mine[i] if mine else str(i) for i in positions)
+
+
 def _spawn(cs: list[dict], gpu: str | None, timeout: int, stop_at: float,
            kill_at: float = float("inf")) -> tuple[subprocess.Popen, float]:
   c = cs[0]
   env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
   if gpu is not None:
-    env["CUDA_VISIBLE_DEVICES"] = gpu
+    env["CUDA_VISIBLE_DEVICES"] = visible_gpus([int(gpu)])
   elif c["platform"] != "cpu":
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(max(x["n"] for x in cs)))
+    env["CUDA_VISIBLE_DEVICES"] = visible_gpus(list(range(max(x["n"] for x in cs))))
   if c["platform"] == "cpu":
     env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={max(x['n'] for x in cs)}"
@@ -517,7 +530,7 @@ def main(argv=None) -> int:
                   help="run one-GPU configurations two at a time, one per GPU")
   ap.add_argument("--parallel-single", type=int, default=0,
                   help="run up to K consecutive one-GPU configurations at a time, one per GPU")
-  ap.add_argument("--single-gpu", default="0", help="GPU for unpaired one-GPU configurations")
+  ap.add_argument("--single-gpu", default="0", help="GPU for unpaired one-GPU configurations (a position in CUDA_VISIBLE_DEVICES when set)")
   ap.add_argument("--same-process", action="store_true",
                   help="run all configurations one after another in one process (it sees "
                   "as many GPUs as the largest configuration: give configurations of one size)")

@@ -282,7 +282,7 @@ def spawn(c: dict, platform: str, timeout: int) -> dict:
     env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={c['n']}"
   else:
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(c["n"]))
+    env["CUDA_VISIBLE_DEVICES"] = mt.visible_gpus(list(range(c["n"])))
     env.setdefault("XLA_FLAGS", mt.GPU_FLAGS)
   try:
     p = subprocess.run([sys.executable, __file__, "--one", json.dumps(c)], env=env,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs studies on every GPU of this machine: one worker process per GPU, all sharing each
-# study's folder; workers claim whole conditions (`scaleopt study --claim`), so cheap and
-# expensive arms balance themselves, and a study's extra seeds run where its search ran.
+# study's folder; workers claim whole conditions, or single cells with the loop engine
+# (`scaleopt study --claim`), so cheap and expensive arms balance themselves.
 #
 #   scripts/study_workers.sh MINUTES ROOT STUDY[@KEY=VALUE...] [STUDY...]
 #
@@ -24,7 +24,7 @@ n=${SCALEOPT_WORKERS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
 [ "$n" -ge 1 ] || n=1
 gpus=${SCALEOPT_GPUS:-$(seq -s ' ' 0 $((n - 1)))}
 token=${SCALEOPT_CLAIM_TOKEN:-launch-$(date +%s)-$$}
-deadline=${SCALEOPT_DEADLINE:-$(( $(date +%s) + ${minutes%.*} * 60 ))}
+deadline=${SCALEOPT_DEADLINE:-$(( $(date +%s) + $(awk "BEGIN{print int($minutes * 60)}") ))}
 [[ $deadline =~ ^[0-9]+$ ]] || { echo "SCALEOPT_DEADLINE=$deadline is not a time in epoch seconds" >&2; exit 2; }
 [ "$deadline" -gt "$(date +%s)" ] || { echo "SCALEOPT_DEADLINE=$deadline is in the past ($(date -d @$deadline +%T))" >&2; exit 2; }
 mkdir -p "$root"

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # One device call of the bc_paper_gpt2 study (docs/results.md, "Table 2 in the paper's regime"),
-# from the repo root of the device's copy: `run` with kind nvidia-h200-x2 and
-#   bash lab/gpu/bc_paper_gpt2_call.sh MINUTES
+# from the repo root of the device's copy: `run` with kind nvidia-h200-x4 (or -x2) and
+#   bash lab/gpu/bc_paper_gpt2_call.sh MINUTES      (MINUTES may be fractional, e.g. 9 or 6.3)
 # The offline corpus is built once per machine into runs/corpus (ignored by git, so a warm
 # machine keeps it, and the cells' checkpoints in runs/, between calls made back to back);
-# then one worker per GPU trains whole conditions until MINUTES after the start of the call and
+# then one worker per GPU trains cells until MINUTES after the start of the call and
 # checkpoints (every 100 steps, and at the stop). $OUT gets the finished cells (cells.jsonl),
 # the worker logs' tails and the corpus log; merge cells.jsonl into
 # docs/studies/bc_paper_gpt2/ and rebuild the report with --report-only.
+# BENCH="command" runs a benchmark beside the study on BENCH_GPUS (default: the last GPU; the
+# workers take the others), killed at the deadline; its output goes to $OUT/bench.log. The
+# benchmark scripts pick their GPUs within CUDA_VISIBLE_DEVICES, which is set to BENCH_GPUS.
 set -uo pipefail
 minutes=${1:-8}
+seconds=$(awk "BEGIN{print int($minutes * 60)}")
 start=$(date +%s)
 export PYTHONPATH=.
 out=${OUT:-/tmp/bc_paper_out}
@@ -19,8 +23,17 @@ if [ ! -f runs/corpus/manifest.json ]; then
   nice python scripts/offline_corpus.py --out runs/corpus --val-fraction 0.04 \
     > "$out/corpus.log" 2>&1 || { tail -20 "$out/corpus.log"; exit 1; }
 fi
-left=$(( minutes * 60 - ($(date +%s) - start) ))
+left=$(( seconds - ($(date +%s) - start) ))
 [ "$left" -ge 120 ] || { echo "only $left s left after the corpus"; exit 0; }
+export SCALEOPT_DEADLINE=$(( start + seconds ))
+if [ -n "${BENCH:-}" ]; then
+  all=$(nvidia-smi -L | grep -c '^GPU')
+  bench_gpus=${BENCH_GPUS:-$((all - 1))}
+  export SCALEOPT_GPUS=$(seq 0 $((all - 1)) | grep -v -x -F "$(tr ',' '\n' <<< "$bench_gpus")" \
+    | tr '\n' ' ')
+  (CUDA_VISIBLE_DEVICES=$bench_gpus timeout $(( SCALEOPT_DEADLINE - $(date +%s) )) \
+    bash -c "$BENCH" > "$out/bench.log" 2>&1 &)
+fi
 scripts/study_workers.sh "$(awk "BEGIN{print $left / 60}")" runs \
   "studies/bc_paper_gpt2@data.path=runs/corpus"
 cp runs/bc_paper_gpt2/cells.jsonl "$out/" 2>/dev/null

@@ -1,4 +1,5 @@
-"""A study's report from its finished cells: results.csv, summary.md, curves.png, lr.png.
+"""A study's report from its finished cells: results.csv, summary.md, curves.png, lr.png
+(and contrasts.png for a study with ``contrasts``).
 
 Statistics (all over seeds, n = number of finished seeds):
 
@@ -222,8 +223,10 @@ def contrast_rows(st, conds: list[Condition]) -> list[dict]:
       ca, cb = by[(a, g)], by[(b, g)]
       ready = ca.best_lr is not None and cb.best_lr is not None
       iv = paired_interval(ca.test, cb.test) if ready else None
+      per_seed = {s: ca.test[s] - cb.test[s] for s in sorted(set(ca.test) & set(cb.test))
+                  if _finite(ca.test[s]) and _finite(cb.test[s])} if ready else {}
       rows.append({"a": a, "b": b, "label": label, "grid": g, "interval": iv,
-                   "verdict": verdict(iv) if ready else "-"})
+                   "verdict": verdict(iv) if ready else "-", "per_seed": per_seed})
   return rows
 
 
@@ -233,7 +236,7 @@ def contrast_lines(st, conds: list[Condition], has_grid: bool) -> list[str]:
   if not rows:
     return []
   head = ["contrast"] + (["grid"] if has_grid else []) + [
-      "isolates", "seeds", "diff a - b [95% CI]", "verdict"]
+      "isolates", "seeds", "diff a - b [95% CI]", "verdict", "per seed"]
   out = ["", "## Contrasts", "",
          "Each row is arm a minus arm b in `test` loss, paired by seed (t-interval of the "
          "per-seed differences over the seeds both finished); `lower`: a is better.", "",
@@ -243,7 +246,8 @@ def contrast_lines(st, conds: list[Condition], has_grid: bool) -> list[str]:
     out.append("| " + " | ".join(
         [f"{r['a']} - {r['b']}"] + ([_grid_str(r["grid"])] if has_grid else [])
         + [r["label"], "-" if r["interval"] is None else str(r["interval"].n), d,
-           r["verdict"]]) + " |")
+           r["verdict"], ", ".join(f"s{s} {v:+.4f}" for s, v in r["per_seed"].items()) or "-"])
+        + " |")
   return out
 
 
@@ -323,7 +327,9 @@ def summary_md(st, rows: list[dict], conds: list[Condition], planned: set[str]) 
                  + " |")
   lines += ["", "Files: `results.csv` (one row per cell), `curves.png` (loss curves at each "
             "arm's best lr; line = mean over seeds, band = min..max), `lr.png` (final val loss "
-            "against lr; bars = min..max over seeds).", ""]
+            "against lr; bars = min..max over seeds)"
+            + (", `contrasts.png` (each contrast's paired loss difference a - b over steps: "
+               "thin lines per seed, thick their mean)" if st.contrasts else "") + ".", ""]
   return "\n".join(lines)
 
 
@@ -367,6 +373,43 @@ def plot(st, rows: list[dict], conds: list[Condition], out: pathlib.Path) -> Non
     ax.set_xscale("log")
     _finish(ax, _grid_str(g) if st.grid else st.name, "peak learning rate", "final val loss")
   _save(fig, out / "lr.png")
+  if st.contrasts:
+    plot_contrasts(st, conds, out / "contrasts.png")
+
+
+def plot_contrasts(st, conds: list[Condition], path: pathlib.Path) -> None:
+  """One panel per contrast (and grid point): the per-seed difference a - b of the train loss
+  (solid) and of the val loss (markers) at the steps both arms logged; the thick line is the
+  mean over the seeds both finished."""
+  import matplotlib.pyplot as plt
+  by = {(c.arm, c.grid): c for c in conds}
+  panels = [(a, b, g) for a, b, _ in st.contrasts for g in dict.fromkeys(c.grid for c in conds)]
+  cols = min(len(panels), 3)
+  rows_n = -(-len(panels) // cols)
+  fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.2 * rows_n), squeeze=False)
+  for ax, (a, b, g) in zip(axes.flat, panels):
+    ca, cb = by[(a, g)], by[(b, g)]
+    for key, style in (("loss", "-"), ("eval_loss", "o")):
+      diffs = []
+      for s in sorted(set(ca.curves) & set(cb.curves)):
+        xa, xb = ca.curves[s].get(key, {}), cb.curves[s].get(key, {})
+        steps = sorted(set(xa) & set(xb))
+        if steps:
+          d = np.array([xa[t] - xb[t] for t in steps], np.float64)
+          ax.plot(steps, d, style, color="C0" if key == "loss" else "C1", lw=0.7, ms=3,
+                  alpha=0.5, label=f"{'train' if key == 'loss' else 'val'} seed {s}")
+          diffs.append((steps, d))
+      common = sorted(set.intersection(*(set(st_) for st_, _ in diffs))) if diffs else []
+      if len(diffs) > 1 and common:
+        m = np.mean([[dict(zip(st_, d))[t] for t in common] for st_, d in diffs], axis=0)
+        ax.plot(common, m, "-" if key == "loss" else "o-", color="C0" if key == "loss" else "C1",
+                lw=2, label=f"{'train' if key == 'loss' else 'val'} mean")
+    ax.axhline(0.0, color="k", lw=0.6)
+    _finish(ax, f"{a} - {b}" + (f" ({_grid_str(g)})" if st.grid else ""), "step",
+            "loss difference (nats/token)")
+  for ax in list(axes.flat)[len(panels):]:
+    ax.set_visible(False)
+  _save(fig, path)
 
 
 def _finish(ax, title: str, xlabel: str, ylabel: str) -> None:

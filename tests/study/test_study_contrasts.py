@@ -15,6 +15,7 @@ from scipy import stats
 
 from scaleopt import cli
 from scaleopt.study import config as SC
+from scaleopt.study import store
 from scaleopt.train.config import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -66,8 +67,11 @@ def _expected(rows: dict, a: str, b: str):
 
 def _check_table(out: pathlib.Path, st, arms: set) -> list[list[str]]:
   with (out / "results.csv").open() as fh:
-    rows = {r["cell"]: r for r in csv.DictReader(fh)}
-  assert {r["arm"] for r in rows.values()} == arms
+    assert {r["arm"] for r in csv.DictReader(fh)} == arms
+  # the unrounded test losses of the store (results.csv prints 6 digits: an interval's end
+  # near 0 could change sides)
+  rows = {r["cell"]["id"]: {"arm": r["cell"]["arm"], "seed": r["cell"]["seed"],
+                            "test_loss": r["result"]["test_loss"]} for r in store.read(out)}
   table = _table((out / "summary.md").read_text())
   assert len(table) == len(st.contrasts)
   for (a, b, label), row in zip(st.contrasts, table):
@@ -81,34 +85,42 @@ def _check_table(out: pathlib.Path, st, arms: set) -> list[list[str]]:
     else:
       assert math.isclose(nums[1], lo, abs_tol=1.5e-4) and math.isclose(nums[2], hi,
                                                                          abs_tol=1.5e-4), row
-      assert row[4] == ("lower" if hi < 0 else "higher" if lo > 0 else "n.s.")
+      assert row[4] == ("lower" if hi < 0 else "higher" if lo > 0 else "n.s."), (row, lo, hi)
+    la = {int(r["seed"]): float(r["test_loss"]) for r in rows.values() if r["arm"] == a}
+    lb = {int(r["seed"]): float(r["test_loss"]) for r in rows.values() if r["arm"] == b}
+    got = dict(x.split() for x in row[5].split(", "))
+    assert sorted(got) == [f"s{s}" for s in sorted(set(la) & set(lb))], row
+    for s in set(la) & set(lb):
+      assert math.isclose(float(got[f"s{s}"]), la[s] - lb[s], abs_tol=1.5e-4), row
+  assert (out / "contrasts.png").is_file()
   return table
 
 
 @pytest.mark.integration  # a whole training run: make test-integration
 def test_paper_study_runs_tiny_and_its_contrasts_match_scipy(corpus, tmp_path, capsys):
-  """Every arm, seeds 0 and 1 (arm 5: its own seed 0), each arm one compile (the vmap engine
-  trains both seeds in one step); a sixth contrast puts the one-seed arm in the table."""
+  """Every arm, seeds 0 and 1 (arm 5 and the SOAP arms: their own seed 0), each arm one compile
+  (the vmap engine trains both seeds in one step); an extra contrast puts arm 5 in the table."""
   out = tmp_path / "study"
   sets = TINY + [f"data.path={corpus}", "engine.kind=vmap", "engine.cells_at_once=2"]
   extra = "contrasts=" + json.dumps([list(c) for c in SC.load(PAPER, sets).contrasts]
                                     + [["loo_base_sched", "adamw", "one seed"]])
   st = SC.load(PAPER, sets + [extra])
-  assert len(st.search_cells()) == 11 and len(st.contrasts) == 6
+  assert len(st.search_cells()) == 13 and len(st.contrasts) == 8
   args = ["study", "--config", "bc_paper_gpt2", "--out", str(out)]
   for s in sets + [extra]:
     args += ["--set", s]
   assert cli.main(args) == 0
-  assert "11 cell(s) trained now, 0 left" in capsys.readouterr().out
+  assert "13 cell(s) trained now, 0 left" in capsys.readouterr().out
   table = _check_table(out, st, set(st.arms))
-  assert [r[2] for r in table] == ["2"] * 5 + ["1"]
+  assert [r[2] for r in table] == ["2"] * 5 + ["1"] * 3
 
 
 def test_paper_study_plan_follows_the_paper():
   """The shipped study against the paper's numbers (notes 5.1, 6.1), not against itself."""
   st = SC.load(PAPER, ["data.path=corpus"])
   cells = st.search_cells()
-  assert len(cells) == 2 * 5 + 1 and st.arm_seeds("loo_base_sched") == [0]
+  assert len(cells) == 2 * 5 + 3
+  assert st.arm_seeds("loo_base_sched") == st.arm_seeds("soap") == st.arm_seeds("soap_bc") == [0]
   cfg = {c.arm: st.cell_config(c) for c in cells}
   for arm, c in cfg.items():
     assert c.run.steps * c.data.batch_size * c.data.seq_len == 262_144_000
@@ -124,7 +136,8 @@ def test_paper_study_plan_follows_the_paper():
     assert o.clip_norm == 1.0 and o.clip_numerator_only == (arm == "loo_paper")
   assert [(a, b) for a, b, _ in st.contrasts] == [
       ("loo_paper", "adamw"), ("adamw_split", "adamw"), ("cf_loo", "adamw_split"),
-      ("loo", "cf_loo"), ("loo_paper", "loo")]
+      ("loo", "cf_loo"), ("loo_paper", "loo"), ("soap", "adamw"), ("soap_bc", "soap")]
+  assert cfg["soap_bc"].optimizer.extra == {"mode": "full", "crossfit": "loo"}
 
 
 @pytest.mark.parametrize("contrasts,key", [

@@ -135,3 +135,29 @@ def test_arm_baseline_must_name_another_arm():
   raw["arms"]["adamw_bc"]["baseline"] = "sgd"
   with pytest.raises(SC.ConfigError, match="arms.adamw_bc.baseline"):
     SC.from_dict(raw, BC_TINY)
+
+
+def test_contrasts_list_each_seed_and_plot_paired_curves(tmp_path, monkeypatch):
+  """The contrast table's per-seed column is a - b of each seed's test loss (planted values),
+  and contrasts.png draws the paired difference of the logged curves."""
+  raw = _raw()
+  raw["seeds"] = [0, 1]
+  raw["contrasts"] = [["adamw_bc", "adamw", "the correction"]]
+  raw["learning_rates"] = [1e-2]
+  raw["arms"]["adamw_bc"].pop("learning_rates", None)
+  st = SC.from_dict(raw, BC_TINY)
+  planted = {("adamw", 0): 3.10, ("adamw", 1): 3.30, ("adamw_bc", 0): 3.05, ("adamw_bc", 1): 3.32}
+  for c in st.search_cells():
+    _write(tmp_path, st, c, 3.0, planted[(c.arm, c.seed)], 1.0)
+    with (runner.cell_dir(tmp_path, c) / "metrics.jsonl").open("w") as fh:
+      for step in (10, 20):
+        fh.write(json.dumps({"step": step, "loss": planted[(c.arm, c.seed)] + step}) + "\n")
+  drawn = []
+  real = report.plot_contrasts
+  monkeypatch.setattr(report, "plot_contrasts",
+                      lambda st_, conds, path: drawn.append(path) or real(st_, conds, path))
+  report.write_report(st, tmp_path)
+  row = next(l for l in (tmp_path / "summary.md").read_text().splitlines()
+             if l.startswith("| adamw_bc - adamw |"))
+  assert row.split("|")[-2].strip() == "s0 -0.0500, s1 +0.0200"
+  assert drawn == [tmp_path / "contrasts.png"] and drawn[0].stat().st_size > 0

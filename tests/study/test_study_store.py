@@ -178,12 +178,13 @@ def test_converter_on_an_old_layout_folder(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["bc_gpt2", "bc_gpt2_loo_m", "scale_vectors_dense",
-                                  "scale_vectors_moe"])
+                                  "scale_vectors_moe", "bc_paper_gpt2"])
 def test_committed_reports_rebuild_from_their_store(tmp_path, name):
   """The shipped studies' summary.md and results.csv (written from the per-cell folders they
   were converted from) come back byte for byte from cells.jsonl alone."""
   src = BC_TINY.parents[2] / "docs" / "studies" / name
   shutil.copy(src / store.STORE, tmp_path / store.STORE)
-  report.write_report(SC.load(BC_TINY.parent / f"{name}.yaml"), tmp_path, plots=False)
+  sets = ["data.path=runs/corpus"] if name == "bc_paper_gpt2" else None  # the path it ran with
+  report.write_report(SC.load(BC_TINY.parent / f"{name}.yaml", sets), tmp_path, plots=False)
   for f in ("summary.md", "results.csv"):
     assert (tmp_path / f).read_text() == (src / f).read_text(), f

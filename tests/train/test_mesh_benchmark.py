@@ -63,3 +63,15 @@ def test_per_executed_token_ratios_count_groups_and_sweeps():
   assert soph[col["ms/step"]] == "48.0" and soph[col["vs adamw token"]] == "1.20x"
   assert soph[col["same micro"]] == "1.07x"  # 48 / 45
   assert re.search(r"card: card; devices in the row's process: 4; jax 0\.0", text)
+
+
+def test_configurations_run_on_the_callers_visible_gpus(monkeypatch):
+  """With CUDA_VISIBLE_DEVICES set, a configuration takes the first N of those GPUs (a
+  benchmark on GPUs 2,3 must not land on GPU 0 beside other work)."""
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+  assert mt.visible_gpus([0]) == "2" and mt.visible_gpus([0, 1]) == "2,3"
+  assert mt.visible_gpus([1]) == "3"
+  with pytest.raises(SystemExit, match="has 2 GPU"):
+    mt.visible_gpus([0, 1, 2])
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+  assert mt.visible_gpus([0, 1, 2]) == "0,1,2"
