@@ -530,7 +530,8 @@ def main(argv=None) -> int:
                   help="run one-GPU configurations two at a time, one per GPU")
   ap.add_argument("--parallel-single", type=int, default=0,
                   help="run up to K consecutive one-GPU configurations at a time, one per GPU")
-  ap.add_argument("--single-gpu", default="0", help="GPU for unpaired one-GPU configurations (a position in CUDA_VISIBLE_DEVICES when set)")
+  ap.add_argument("--single-gpu", default="0", help="GPU for unpaired one-GPU configurations "
+                  "(a position in CUDA_VISIBLE_DEVICES when set)")
   ap.add_argument("--same-process", action="store_true",
                   help="run all configurations one after another in one process (it sees "
                   "as many GPUs as the largest configuration: give configurations of one size)")

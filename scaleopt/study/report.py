@@ -299,7 +299,8 @@ def summary_md(st, rows: list[dict], conds: list[Condition], planned: set[str]) 
       ratio = f"{c.passes / b.passes:g}x"
     n_bad = sum(not _finite(v) for v in c.test.values())
     seeds = f"{iv.n}" + (f" (+{n_bad} diverged)" if n_bad else "")
-    lr = "search unfinished" if c.best_lr is None else (
+    lr = ("search unfinished" if _cond_rows(st, rows, (c.arm, c.grid)) else "not run yet"
+          ) if c.best_lr is None else (
         f"{c.best_lr:g}" + (" (grid edge)" if at_edge(st, c) else ""))
     cells = [c.arm] + ([_grid_str(c.grid)] if has_grid else []) + [
         lr, seeds, iv.fmt(), ratio, diff, ver, eq]

@@ -147,17 +147,32 @@ def test_contrasts_list_each_seed_and_plot_paired_curves(tmp_path, monkeypatch):
   raw["arms"]["adamw_bc"].pop("learning_rates", None)
   st = SC.from_dict(raw, BC_TINY)
   planted = {("adamw", 0): 3.10, ("adamw", 1): 3.30, ("adamw_bc", 0): 3.05, ("adamw_bc", 1): 3.32}
-  for c in st.search_cells():
-    _write(tmp_path, st, c, 3.0, planted[(c.arm, c.seed)], 1.0)
-    with (runner.cell_dir(tmp_path, c) / "metrics.jsonl").open("w") as fh:
-      for step in (10, 20):
-        fh.write(json.dumps({"step": step, "loss": planted[(c.arm, c.seed)] + step}) + "\n")
+  def finish(arm):
+    for c in st.search_cells():
+      if c.arm == arm:
+        _write(tmp_path, st, c, 3.0, planted[(c.arm, c.seed)], 1.0)
+        with (runner.cell_dir(tmp_path, c) / "metrics.jsonl").open("w") as fh:
+          for step in (10, 20):
+            fh.write(json.dumps({"step": step, "loss": planted[(c.arm, c.seed)] + step}) + "\n")
+
+  finish("adamw")
+  report.write_report(st, tmp_path, plots=False)  # an arm without a finished cell
+  lines = (tmp_path / "summary.md").read_text().splitlines()
+  assert next(l for l in lines if l.startswith("| adamw_bc |")).split("|")[2].strip() == \
+      "not run yet"
+  finish("adamw_bc")
   drawn = []
   real = report.plot_contrasts
-  monkeypatch.setattr(report, "plot_contrasts",
-                      lambda st_, conds, path: drawn.append(path) or real(st_, conds, path))
+  monkeypatch.setattr(report, "plot_contrasts", lambda st_, conds, path: (
+      drawn.append((path, conds)), real(st_, conds, path)))
   report.write_report(st, tmp_path)
   row = next(l for l in (tmp_path / "summary.md").read_text().splitlines()
              if l.startswith("| adamw_bc - adamw |"))
   assert row.split("|")[-2].strip() == "s0 -0.0500, s1 +0.0200"
-  assert drawn == [tmp_path / "contrasts.png"] and drawn[0].stat().st_size > 0
+  (path, conds), = drawn
+  assert path == tmp_path / "contrasts.png" and path.stat().st_size > 0
+  by = {c.arm: c.curves for c in conds}  # the curves it drew the paired differences of
+  for seed, want in ((0, -0.05), (1, 0.02)):
+    for step in (10, 20):
+      got = by["adamw_bc"][seed]["loss"][step] - by["adamw"][seed]["loss"][step]
+      assert abs(got - want) < 1e-9, (seed, step, got)
