@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "conditions (arm x grid point): condition k runs where k mod n == i")
   st.add_argument("--claim", default=None, metavar="TOKEN", help="one of several workers "
                   "sharing --out on one machine (one per GPU): take whole conditions (single "
-                  "cells with the loop engine), claimed under DIR/claims/TOKEN; give every worker of one launch the same TOKEN "
+                  "cells with the loop engine), claimed under DIR/claims/TOKEN; give every "
+                  "worker of one launch the same TOKEN "
                   "(and a new TOKEN to the next launch)")
   st.add_argument("--report-only", action="store_true", help="rebuild the report, train nothing")
   st.add_argument("--list", action="store_true", help="print the cells left, train nothing")

@@ -13,6 +13,7 @@
 # benchmark scripts pick their GPUs within CUDA_VISIBLE_DEVICES, which is set to BENCH_GPUS.
 set -uo pipefail
 minutes=${1:-8}
+[[ $minutes =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "MINUTES=$minutes is not a number of minutes" >&2; exit 2; }
 seconds=$(awk "BEGIN{print int($minutes * 60)}")
 start=$(date +%s)
 export PYTHONPATH=.
@@ -26,16 +27,20 @@ fi
 left=$(( seconds - ($(date +%s) - start) ))
 [ "$left" -ge 120 ] || { echo "only $left s left after the corpus"; exit 0; }
 export SCALEOPT_DEADLINE=$(( start + seconds ))
+bench_pid=
 if [ -n "${BENCH:-}" ]; then
   all=$(nvidia-smi -L | grep -c '^GPU')
-  bench_gpus=${BENCH_GPUS:-$((all - 1))}
-  export SCALEOPT_GPUS=$(seq 0 $((all - 1)) | grep -v -x -F "$(tr ',' '\n' <<< "$bench_gpus")" \
-    | tr '\n' ' ')
-  (CUDA_VISIBLE_DEVICES=$bench_gpus timeout $(( SCALEOPT_DEADLINE - $(date +%s) )) \
-    bash -c "$BENCH" > "$out/bench.log" 2>&1 &)
+  bench_gpus=$(tr -d ' ' <<< "${BENCH_GPUS:-$((all - 1))}")
+  workers=$(seq 0 $((all - 1)) | grep -v -x -F "$(tr ',' '\n' <<< "$bench_gpus")" | tr '\n' ' ')
+  [ -n "${workers// /}" ] || { echo "BENCH_GPUS=$bench_gpus leaves no GPU for the study" >&2; exit 2; }
+  export SCALEOPT_GPUS=$workers
+  CUDA_VISIBLE_DEVICES=$bench_gpus timeout $(( SCALEOPT_DEADLINE - $(date +%s) )) \
+    bash -c "$BENCH" > "$out/bench.log" 2>&1 &
+  bench_pid=$!
 fi
 scripts/study_workers.sh "$(awk "BEGIN{print $left / 60}")" runs \
   "studies/bc_paper_gpt2@data.path=runs/corpus"
+[ -z "$bench_pid" ] || wait "$bench_pid"  # the benchmark's log is whole when the call returns
 cp runs/bc_paper_gpt2/cells.jsonl "$out/" 2>/dev/null
 for f in runs/worker*.log; do tail -n 40 "$f" > "$out/$(basename "$f")"; done
 ls runs/bc_paper_gpt2/cells 2>/dev/null | head -20

@@ -224,7 +224,7 @@ def contrast_rows(st, conds: list[Condition]) -> list[dict]:
       ready = ca.best_lr is not None and cb.best_lr is not None
       iv = paired_interval(ca.test, cb.test) if ready else None
       per_seed = {s: ca.test[s] - cb.test[s] for s in sorted(set(ca.test) & set(cb.test))
-                  if _finite(ca.test[s]) and _finite(cb.test[s])} if ready else {}
+                  } if ready else {}  # a diverged seed (non-finite) is printed as such
       rows.append({"a": a, "b": b, "label": label, "grid": g, "interval": iv,
                    "verdict": verdict(iv) if ready else "-", "per_seed": per_seed})
   return rows
@@ -246,7 +246,8 @@ def contrast_lines(st, conds: list[Condition], has_grid: bool) -> list[str]:
     out.append("| " + " | ".join(
         [f"{r['a']} - {r['b']}"] + ([_grid_str(r["grid"])] if has_grid else [])
         + [r["label"], "-" if r["interval"] is None else str(r["interval"].n), d,
-           r["verdict"], ", ".join(f"s{s} {v:+.4f}" for s, v in r["per_seed"].items()) or "-"])
+           r["verdict"], ", ".join(f"s{s} {v:+.4f}" if _finite(v) else f"s{s} diverged"
+                                   for s, v in r["per_seed"].items()) or "-"])
         + " |")
   return out
 

@@ -23,8 +23,8 @@ memory is split in halves (and the group's limit kept in ``DIR/at_once``), down 
 
 Several workers on one machine (one per GPU) share one ``--out`` with ``--claim TOKEN``: each
 worker takes whole conditions (vmap engine) or single cells (loop engine), the next unfinished
-one first, by creating ``DIR/claims/TOKEN/<k>`` (an atomic ``mkdir``), so slow and fast
-conditions balance themselves.
+one first, by creating ``DIR/claims/TOKEN/<k>`` (condition k; ``<k>_<hash of the cell id>``
+for a cell) with an atomic ``mkdir``, so slow and fast conditions balance themselves.
 All workers of one launch use the same token; a new launch uses a new token, so claims of an
 interrupted launch never block it. Whatever the tokens, a cell trains in one process at a time:
 a worker takes the owner lock of the cell's folder (``scaleopt.train.runfolder.owner``) without
@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import hashlib
 import json
 import math
 import os
@@ -302,8 +303,10 @@ class _Claims:
     self.held: set = set()
 
   def _key(self, c: Cell) -> str:
+    """``<k>`` (condition k) or, per cell, ``<k>_<hash of the cell id>`` (a short name whatever
+    the grid: a cell id can be longer than a file name may be)."""
     k = str(self.index[c.condition])
-    return f"{k}_{c.id.replace('/', '_')}" if self.per_cell else k
+    return f"{k}_{hashlib.sha1(c.id.encode()).hexdigest()[:16]}" if self.per_cell else k
 
   def mine(self, todo: list[Cell]) -> list[Cell]:
     """The cells this worker holds; when none are left, claims the first free condition (or

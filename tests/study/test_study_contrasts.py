@@ -138,6 +138,8 @@ def test_paper_study_plan_follows_the_paper():
       ("loo_paper", "adamw"), ("adamw_split", "adamw"), ("cf_loo", "adamw_split"),
       ("loo", "cf_loo"), ("loo_paper", "loo"), ("soap", "adamw"), ("soap_bc", "soap")]
   assert cfg["soap_bc"].optimizer.extra == {"mode": "full", "crossfit": "loo"}
+  for arm in ("soap", "soap_bc"):  # SOAP's paper betas, not the base config's AdamW ones
+    assert (cfg[arm].optimizer.b1, cfg[arm].optimizer.b2) == (0.95, 0.95)
 
 
 @pytest.mark.parametrize("contrasts,key", [

@@ -176,3 +176,14 @@ def test_contrasts_list_each_seed_and_plot_paired_curves(tmp_path, monkeypatch):
     for step in (10, 20):
       got = by["adamw_bc"][seed]["loss"][step] - by["adamw"][seed]["loss"][step]
       assert abs(got - want) < 1e-9, (seed, step, got)
+
+
+def test_contrast_names_a_diverged_seed():
+  raw = _raw()
+  raw["seeds"] = [0, 1]
+  raw["contrasts"] = [["adamw_bc", "adamw", "the correction"]]
+  st = SC.from_dict(raw, BC_TINY)
+  conds = [report.Condition("adamw", (), 1e-2, {0: 3.0, 1: 3.1}, {}, 1.0, {}),
+           report.Condition("adamw_bc", (), 1e-2, {0: 2.9, 1: float("inf")}, {}, 1.0, {})]
+  row = next(l for l in report.contrast_lines(st, conds, False) if l.startswith("| adamw_bc"))
+  assert row.split("|")[-2].strip() == "s0 -0.1000, s1 diverged"
