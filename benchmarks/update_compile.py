@@ -3,14 +3,16 @@ shapes (no model: the gradients are random), to tell a slow compile from slow st
 
   PYTHONPATH=. python benchmarks/update_compile.py --optimizer soap [--steps 0]
 
-Shapes: the tied 50304 x 768 embedding, 1024 x 768 positions, 12 stacked layers of fused qkv
-768 x 2304, 768 x 768, 768 x 3072, 3072 x 768, norm scales (``optim_step_cost.py``'s stand-in).
-Prints each time as it finishes; ``--steps 0`` stops after the compile.
+Shapes: ``optim_step_cost.py``'s GPT-2-small stand-in (``model``: tied 50304 x 768 embedding,
+1024 positions, 12 stacked layers of fused qkv 768 x 2304, 768 x 768, 768 x 3072, 3072 x 768,
+norm scales). Prints each time as it finishes; ``--steps 0`` stops after the compile.
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 import time
 
 import jax
@@ -18,9 +20,8 @@ import jax.numpy as jnp
 
 from scaleopt.optim import build
 
-L, D, V = 12, 768, 50304
-SHAPES = {"wte": (V, D), "wpe": (1024, D), "qkv": (L, D, 3 * D), "proj": (L, D, D),
-          "fc": (L, D, 4 * D), "out": (L, 4 * D, D), "ln": (L, D), "lnf": (D,)}
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import optim_step_cost  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -29,9 +30,11 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=0, help="steps to run after the compile")
   a = ap.parse_args(argv)
   tx, _ = build({"name": a.optimizer, "learning_rate": 1e-3, "schedule": {"kind": "constant"}})
-  params = {k: jnp.zeros(v, jnp.float32) for k, v in SHAPES.items()}
-  grads = {k: jax.random.normal(jax.random.PRNGKey(i), v) for i, (k, v) in
-           enumerate(SHAPES.items())}
+  init = optim_step_cost.model(50304, 768, 12, 12, 1024)[0]
+  shapes = jax.eval_shape(init, jax.random.PRNGKey(0))
+  params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  keys = iter(jax.random.split(jax.random.PRNGKey(1), len(jax.tree.leaves(shapes))))
+  grads = jax.tree.map(lambda s: jax.random.normal(next(keys), s.shape, s.dtype), shapes)
   state = jax.jit(tx.init)(params)
   print(f"device: {jax.devices()[0].device_kind}; optimizer {a.optimizer}", flush=True)
   t0 = time.perf_counter()

@@ -391,21 +391,19 @@ def plot_contrasts(st, conds: list[Condition], path: pathlib.Path) -> None:
   fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.2 * rows_n), squeeze=False)
   for ax, (a, b, g) in zip(axes.flat, panels):
     ca, cb = by[(a, g)], by[(b, g)]
-    for key, style in (("loss", "-"), ("eval_loss", "o")):
-      diffs = []
+    for key, name, style, color in (("loss", "train", "-", "C0"), ("eval_loss", "val", "o", "C1")):
+      diffs = []  # per seed: {step: a - b}
       for s in sorted(set(ca.curves) & set(cb.curves)):
         xa, xb = ca.curves[s].get(key, {}), cb.curves[s].get(key, {})
-        steps = sorted(set(xa) & set(xb))
-        if steps:
-          d = np.array([xa[t] - xb[t] for t in steps], np.float64)
-          ax.plot(steps, d, style, color="C0" if key == "loss" else "C1", lw=0.7, ms=3,
-                  alpha=0.5, label=f"{'train' if key == 'loss' else 'val'} seed {s}")
-          diffs.append((steps, d))
-      common = sorted(set.intersection(*(set(st_) for st_, _ in diffs))) if diffs else []
-      if len(diffs) > 1 and common:
-        m = np.mean([[dict(zip(st_, d))[t] for t in common] for st_, d in diffs], axis=0)
-        ax.plot(common, m, "-" if key == "loss" else "o-", color="C0" if key == "loss" else "C1",
-                lw=2, label=f"{'train' if key == 'loss' else 'val'} mean")
+        d = {t: xa[t] - xb[t] for t in sorted(set(xa) & set(xb))}
+        if d:
+          ax.plot(list(d), list(d.values()), style, color=color, lw=0.7, ms=3, alpha=0.5,
+                  label=f"{name} seed {s}")
+          diffs.append(d)
+      common = sorted(set.intersection(*map(set, diffs))) if len(diffs) > 1 else []
+      if common:
+        m = np.mean([[d[t] for t in common] for d in diffs], axis=0)
+        ax.plot(common, m, style.replace("o", "o-"), color=color, lw=2, label=f"{name} mean")
     ax.axhline(0.0, color="k", lw=0.6)
     _finish(ax, f"{a} - {b}" + (f" ({_grid_str(g)})" if st.grid else ""), "step",
             "loss difference (nats/token)")

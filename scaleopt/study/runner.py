@@ -315,8 +315,10 @@ class _Claims:
     if own:
       return own
     self.dir.mkdir(parents=True, exist_ok=True)
-    keys = [k for k in dict.fromkeys(map(self._key, todo)) if k not in self.held]
-    for k in sorted(keys, key=lambda k: int(k.split("_")[0])):  # stable: plan order within
+    in_order = sorted(todo, key=lambda c: self.index[c.condition])  # stable: plan order within
+    for k in dict.fromkeys(map(self._key, in_order)):
+      if k in self.held:
+        continue
       try:
         (self.dir / k).mkdir()
       except FileExistsError:
