@@ -109,7 +109,7 @@ def model(vocab, d, layers, heads, seq):
   return init, logits_fn, loss_fn
 
 
-def bench(name, cfg, params, loss_fn, logits_fn, mbs, b_mbs, steps):
+def bench(name, cfg, params, loss_fn, logits_fn, mbs, b_mbs, steps, print_steps=False):
   cfg = dict(cfg, learning_rate=1e-4, schedule={"kind": "constant"})
   tx, spec = build(cfg)
   st = jax.jit(tx.init)(params)
@@ -137,7 +137,10 @@ def bench(name, cfg, params, loss_fn, logits_fn, mbs, b_mbs, steps):
   step = compiled
   # align so that the timed window holds exactly steps/10 root steps: start at count 10
   for i in range(8):
-    p, st, loss = step(p, st, jax.random.PRNGKey(2 + i))
+    if print_steps:  # one line per step: a step that hangs is named
+      (p, st, loss), _ = timed(f"step {2 + i}", lambda: step(p, st, jax.random.PRNGKey(2 + i)))
+    else:
+      p, st, loss = step(p, st, jax.random.PRNGKey(2 + i))
   jax.block_until_ready(loss)
   times = []
   for i in range(steps):
@@ -145,6 +148,8 @@ def bench(name, cfg, params, loss_fn, logits_fn, mbs, b_mbs, steps):
     p, st, loss = step(p, st, jax.random.PRNGKey(100 + i))
     jax.block_until_ready(loss)
     times.append(time.perf_counter() - t0)
+    if print_steps:
+      print(f"  {name}: step {10 + i} {times[-1]:.3f} s", flush=True)
   times = np.array(times)
   root = times[::10]
   other = np.delete(times, np.arange(0, steps, 10))
@@ -159,6 +164,8 @@ def main():
   ap.add_argument("--steps", type=int, default=100)
   ap.add_argument("--configs", default=",".join(CONFIGS))
   ap.add_argument("--json", default=None, help="write results here")
+  ap.add_argument("--print-steps", action="store_true",
+                  help="print every step's time as it finishes (find a step that hangs)")
   args = ap.parse_args()
   if args.quick:
     vocab, d, layers, heads, seq, mb_seqs, m = 512, 64, 2, 4, 64, 2, 4
@@ -179,7 +186,8 @@ def main():
   results = []
   for name in args.configs.split(","):
     try:
-      r = bench(name, CONFIGS[name], params, loss_fn, logits_fn, mbs, b_mbs, args.steps)
+      r = bench(name, CONFIGS[name], params, loss_fn, logits_fn, mbs, b_mbs, args.steps,
+                args.print_steps)
     except Exception as e:  # keep going: one failing config must not hide the others
       print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue

@@ -2,6 +2,7 @@
 # One device call of the bc_paper_gpt2 study (docs/results.md, "Table 2 in the paper's regime"),
 # from the repo root of the device's copy: `run` with kind nvidia-h200-x4 (or -x2) and
 #   bash lab/gpu/bc_paper_gpt2_call.sh MINUTES      (MINUTES may be fractional, e.g. 9 or 6.3)
+# The study folder starts from docs/studies/bc_paper_gpt2/cells.jsonl on a fresh machine.
 # The offline corpus is built once per machine into runs/corpus (ignored by git, so a warm
 # machine keeps it, and the cells' checkpoints in runs/, between calls made back to back);
 # then one worker per GPU trains cells until MINUTES after the start of the call and
@@ -19,6 +20,10 @@ start=$(date +%s)
 export PYTHONPATH=.
 out=${OUT:-/tmp/bc_paper_out}
 mkdir -p runs "$out"
+# a fresh machine starts from the committed cells, so finished cells are not trained again
+if [ ! -f runs/bc_paper_gpt2/cells.jsonl ]; then
+  mkdir -p runs/bc_paper_gpt2 && cp docs/studies/bc_paper_gpt2/cells.jsonl runs/bc_paper_gpt2/
+fi
 nvidia-smi -L > "$out/gpus.txt" 2>&1
 if [ ! -f runs/corpus/manifest.json ]; then
   nice python scripts/offline_corpus.py --out runs/corpus --val-fraction 0.04 \
