@@ -45,4 +45,4 @@ test-min:
 	  -k "not wheel and not editable" $(MIN_TESTS)
 
 clean:
-	rm -rf $(VENV) $(MIN_VENV) results .pytest_cache
+	rm -rf $(VENV) $(MIN_VENV) results .pytest_cache .jaxcache

@@ -14,6 +14,7 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(__file__).resolve().parents[1] / ".jaxcache" / "tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(512 * 2**20))  # LRU beyond 512 MiB
 
 # ``make test`` and ``make test-integration`` each run two workers, each taking whole files in
 # collection order. These files take longest on CPU in their tier (integration first, then the

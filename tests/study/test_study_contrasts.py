@@ -115,6 +115,29 @@ def test_paper_study_runs_tiny_and_its_contrasts_match_scipy(corpus, tmp_path, c
   assert [r[2] for r in table] == ["2"] * 5 + ["1"] * 3
 
 
+def test_paper_study_claim_cells_run_tiny(corpus, tmp_path, capsys):
+  """The paper's claim as a contrast, in the fast tier: arms 1 and 3 (`adamw`, `loo_paper`) at
+  both seeds through the shipped config, tiny (the vmap engine: one compile per arm); the
+  contrast row against SciPy, the other rows "unfinished"."""
+  out = tmp_path / "study"
+  args = ["study", "--config", "bc_paper_gpt2", "--out", str(out), "--cells", "adamw/*",
+          "loo_paper/*"]
+  for s in TINY + [f"data.path={corpus}", "engine.kind=vmap", "engine.cells_at_once=2"]:
+    args += ["--set", s]
+  assert cli.main(args) == 0
+  assert "4 cell(s) trained now, 0 left" in capsys.readouterr().out
+  st = SC.load(PAPER, TINY + [f"data.path={corpus}"])
+  rows = {r["cell"]["id"]: {"arm": r["cell"]["arm"], "seed": r["cell"]["seed"],
+                            "test_loss": r["result"]["test_loss"]} for r in store.read(out)}
+  mean, lo, hi = _expected(rows, "loo_paper", "adamw")
+  table = _table((out / "summary.md").read_text())
+  assert table[0][:3] == ["loo_paper - adamw", st.contrasts[0][2], "2"]
+  nums = [float(v) for v in table[0][3].replace("[", " ").replace("]", " ")
+          .replace(",", " ").split()]
+  assert all(math.isclose(a, b, abs_tol=1.5e-4) for a, b in zip(nums, (mean, lo, hi))), nums
+  assert [r[3] for r in table[1:]] == ["unfinished"] * (len(table) - 1)
+
+
 def test_paper_study_plan_follows_the_paper():
   """The shipped study against the paper's numbers (notes 5.1, 6.1), not against itself."""
   st = SC.load(PAPER, ["data.path=corpus"])
