@@ -3,9 +3,9 @@
 import os
 import pathlib
 
-# Compiling dominates this suite's CPU time. Two settings that change no result, only how
-# fast programs compile: LLVM at its lowest optimisation level (XLA's own HLO passes are
-# unchanged; test programs are small and run briefly), and a compilation cache in the clone,
+# Compiling dominates this suite's CPU time. Two settings that leave every program's HLO as it
+# is and change how fast it compiles: LLVM at its lowest optimisation level (XLA's own passes
+# are unchanged; test programs are small and run briefly), and a compilation cache in the clone,
 # so that a program another test (or the other worker) already compiled is loaded instead.
 # Each only where the caller has not set it.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
