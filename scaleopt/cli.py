@@ -84,6 +84,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _study(args: argparse.Namespace) -> int:
+  from scaleopt.train.mesh import set_launch_xla_flags
+  set_launch_xla_flags()  # its cells are training runs: the same flags as `scaleopt train`
   from scaleopt.study.runner import study_main
 
   args.config = _config(args, "study")

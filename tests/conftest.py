@@ -7,14 +7,18 @@ import pathlib
 # is and change how fast it compiles: LLVM at its lowest optimisation level (XLA's own passes
 # are unchanged; test programs are small and run briefly), and a compilation cache in the clone,
 # so that a program another test (or the other worker) already compiled is loaded instead.
-# Each only where the caller has not set it.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+# Each only where the caller has not set it; the optimisation level only where the tests run
+# on CPU (on a GPU machine it would also apply to the GPU kernels). `make clean` empties the
+# cache.
+_accelerator = (any(pathlib.Path("/dev").glob("nvidia[0-9]*"))
+                or pathlib.Path("/dev/accel0").exists())
+_on_cpu = os.environ.get("JAX_PLATFORMS", "" if _accelerator else "cpu") == "cpu"
+if _on_cpu and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(__file__).resolve().parents[1] / ".jaxcache" / "tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(512 * 2**20))  # LRU beyond 512 MiB
 
 # ``make test`` and ``make test-integration`` each run two workers, each taking whole files in
 # collection order. These files take longest on CPU in their tier (integration first, then the

@@ -2,7 +2,7 @@
 # One device call of the bc_paper_gpt2 study (docs/results.md, "Table 2 in the paper's regime"),
 # from the repo root of the device's copy: `run` with kind nvidia-h200-x4 (or -x2) and
 #   bash lab/gpu/bc_paper_gpt2_call.sh MINUTES      (MINUTES may be fractional, e.g. 9 or 6.3)
-# The study folder starts from docs/studies/bc_paper_gpt2/cells.jsonl on a fresh machine.
+# The study folder takes in docs/studies/bc_paper_gpt2/cells.jsonl once per machine.
 # The offline corpus is built once per machine into runs/corpus (ignored by git, so a warm
 # machine keeps it, and the cells' checkpoints in runs/, between calls made back to back);
 # then one worker per GPU trains cells until MINUTES after the start of the call and
@@ -17,14 +17,20 @@ minutes=${1:-8}
 [[ $minutes =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "MINUTES=$minutes is not a number of minutes" >&2; exit 2; }
 seconds=$(awk "BEGIN{print int($minutes * 60)}")
 start=$(date +%s)
-export PYTHONPATH=.
+# the study's first ten cells ran without the launcher's XLA flags (before `scaleopt study` set
+# them); the rest keep that environment, so that no arm differs in its GEMM backend
+export PYTHONPATH=. SCALEOPT_XLA_DEFAULTS=0
 out=${OUT:-/tmp/bc_paper_out}
 mkdir -p runs "$out"
-# a fresh machine starts from the committed cells, so finished cells are not trained again
-if [ ! -f runs/bc_paper_gpt2/cells.jsonl ]; then
-  mkdir -p runs/bc_paper_gpt2 && cp docs/studies/bc_paper_gpt2/cells.jsonl runs/bc_paper_gpt2/
+# the committed cells join the study folder once per machine (a cell listed twice counts once),
+# so finished cells are not trained again; the folder's own cells.jsonl may exist and be empty
+if [ ! -f runs/bc_paper_gpt2/.committed_cells_merged ]; then
+  mkdir -p runs/bc_paper_gpt2
+  cat docs/studies/bc_paper_gpt2/cells.jsonl >> runs/bc_paper_gpt2/cells.jsonl
+  touch runs/bc_paper_gpt2/.committed_cells_merged
 fi
-nvidia-smi -L > "$out/gpus.txt" 2>&1
+rm -f runs/worker*.log  # a GPU that runs no worker this call returns no old log
+{ nvidia-smi -L; echo "XLA_FLAGS=${XLA_FLAGS:-}"; } > "$out/gpus.txt" 2>&1
 if [ ! -f runs/corpus/manifest.json ]; then
   nice python scripts/offline_corpus.py --out runs/corpus --val-fraction 0.04 \
     > "$out/corpus.log" 2>&1 || { tail -20 "$out/corpus.log"; exit 1; }

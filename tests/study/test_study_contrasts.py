@@ -130,11 +130,20 @@ def test_paper_study_claim_cells_run_tiny(corpus, tmp_path, capsys):
   rows = {r["cell"]["id"]: {"arm": r["cell"]["arm"], "seed": r["cell"]["seed"],
                             "test_loss": r["result"]["test_loss"]} for r in store.read(out)}
   mean, lo, hi = _expected(rows, "loo_paper", "adamw")
+  assert abs(mean) > 1e-3  # a sign or scale error shows at the table's 4 decimals
   table = _table((out / "summary.md").read_text())
   assert table[0][:3] == ["loo_paper - adamw", st.contrasts[0][2], "2"]
   nums = [float(v) for v in table[0][3].replace("[", " ").replace("]", " ")
           .replace(",", " ").split()]
-  assert all(math.isclose(a, b, abs_tol=1.5e-4) for a, b in zip(nums, (mean, lo, hi))), nums
+  assert len(nums) == 3 and all(math.isclose(a, b, abs_tol=1.5e-4)
+                                for a, b in zip(nums, (mean, lo, hi))), nums
+  assert table[0][4] == ("lower" if hi < 0 else "higher" if lo > 0 else "n.s."), table[0]
+  loss = lambda arm, seed: next(r["test_loss"] for r in rows.values()
+                                if r["arm"] == arm and r["seed"] == seed)
+  got = dict(x.split() for x in table[0][5].split(", "))
+  assert sorted(got) == ["s0", "s1"] and all(
+      math.isclose(float(got[f"s{s}"]), loss("loo_paper", s) - loss("adamw", s), abs_tol=1.5e-4)
+      for s in (0, 1)), table[0]
   assert [r[3] for r in table[1:]] == ["unfinished"] * (len(table) - 1)
 
 

@@ -89,3 +89,17 @@ def test_launch_xla_flags_keep_the_users_settings():
   env = {"SCALEOPT_XLA_DEFAULTS": "0", "XLA_FLAGS": "--a=1"}
   mesh.set_launch_xla_flags(env)
   assert env["XLA_FLAGS"] == "--a=1"
+
+
+@pytest.mark.parametrize("command", ["train", "study"])
+def test_training_launchers_set_the_launch_flags(monkeypatch, tmp_path, command):
+  """``scaleopt train`` and ``scaleopt study`` (whose cells are training runs) both add the
+  launch flags to XLA_FLAGS before JAX starts a backend, and keep the user's."""
+  from scaleopt import cli
+  from scaleopt.train import mesh
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+  monkeypatch.delenv("SCALEOPT_XLA_DEFAULTS", raising=False)
+  args = {"train": ["train", "--config", "tiny", "--print-config"],
+          "study": ["study", "--config", "bc_tiny", "--out", str(tmp_path / "s"), "--list"]}
+  assert cli.main(args[command]) == 0
+  assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", *mesh.LAUNCH_XLA_FLAGS]

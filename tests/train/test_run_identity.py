@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 import yaml
 
 from scaleopt import cli
@@ -25,6 +26,7 @@ def _cli(capsys, *argv):
   return rc, [l for l in capsys.readouterr().err.splitlines() if l.strip()]
 
 
+@pytest.mark.integration  # a whole training run (the cheap checks stay in make test)
 def test_resume_refuses_changed_data_and_starts_fresh_on_an_empty_folder(capsys, tmp_path):
   shards, run = tmp_path / "shards", tmp_path / "run"
   _shards(shards, 0)

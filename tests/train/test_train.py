@@ -163,6 +163,7 @@ def test_nonfinite_steps_are_skipped_then_run_stops(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.integration  # a whole training run (the cheap checks stay in make test)
 def test_shards_source_trains(tmp_path):
   src = tmp_path / "txt"
   src.mkdir()
