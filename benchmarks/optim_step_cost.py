@@ -140,7 +140,7 @@ def bench(name, cfg, params, loss_fn, logits_fn, mbs, b_mbs, steps, print_steps=
   else:  # the jitted call, as the trainer runs its steps: it compiles at its first call
     (p, st, loss), first_s = timed("compile + step 0 (first root / basis step)",
                                    lambda: step(params, st, key0))
-    compile_s = float("nan")
+    compile_s = None
   (p, st, loss), _ = timed("step 1", lambda: step(p, st, jax.random.PRNGKey(1)))
   # align so that the timed window holds exactly steps/10 root steps: start at count 10
   for i in range(8):
@@ -161,7 +161,8 @@ def bench(name, cfg, params, loss_fn, logits_fn, mbs, b_mbs, steps, print_steps=
   root = times[::10]
   other = np.delete(times, np.arange(0, steps, 10))
   return dict(name=name, mean_ms=1e3 * times.mean(), root_ms=1e3 * root.mean(),
-              other_ms=1e3 * other.mean(), compile_s=compile_s, first_step_s=first_s,
+              other_ms=1e3 * other.mean(), aot=aot, compile_s=compile_s,
+              first_step_s=first_s,  # with aot=False: compile + step 0
               loss=float(loss))
 
 

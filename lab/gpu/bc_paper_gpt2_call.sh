@@ -26,7 +26,9 @@ mkdir -p runs "$out"
 # so finished cells are not trained again; the folder's own cells.jsonl may exist and be empty
 if [ ! -f runs/bc_paper_gpt2/.committed_cells_merged ]; then
   mkdir -p runs/bc_paper_gpt2
-  cat docs/studies/bc_paper_gpt2/cells.jsonl >> runs/bc_paper_gpt2/cells.jsonl
+  f=runs/bc_paper_gpt2/cells.jsonl  # a line cut short by a killed call ends before ours starts
+  [ ! -s "$f" ] || [ -z "$(tail -c 1 "$f")" ] || echo >> "$f"
+  cat docs/studies/bc_paper_gpt2/cells.jsonl >> "$f"
   touch runs/bc_paper_gpt2/.committed_cells_merged
 fi
 rm -f runs/worker*.log  # a GPU that runs no worker this call returns no old log

@@ -24,7 +24,6 @@ steps whose outcomes differed from the optimizer's true count.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import math
 from typing import Any, Callable, Iterable
@@ -34,19 +33,6 @@ import jax
 from scaleopt.optim import phases
 
 _AHEAD = 4096  # at most this many steps are scanned for the outcomes to compile ahead
-
-
-@contextlib.contextmanager
-def _no_cache_writes():
-  """Compiles inside write nothing to JAX's persistent compilation cache (an entry is written
-  only for a compile that took at least ``jax_persistent_cache_min_compile_time_secs``)."""
-  key = "jax_persistent_cache_min_compile_time_secs"
-  before = getattr(jax.config, key)
-  jax.config.update(key, math.inf)
-  try:
-    yield
-  finally:
-    jax.config.update(key, before)
 
 
 class PhasedStep:
@@ -96,15 +82,12 @@ class PhasedStep:
 
     The steps run through the jitted functions: on an H200 (jax 0.11.2) the ahead-of-time
     executables of ``adamw_bc``'s step with cuDNN attention failed at their first run while
-    loading their cuDNN graphs ("capturing stream has unjoined work"), and the same programs
-    compiled by a call ran. (On CPU, jax 0.10, a call reuses the ahead-of-time executable
-    instead of compiling again.) The ahead-of-time executables are kept out of JAX's
-    persistent compilation cache, so that a call cannot load one from there: SOAP's
-    programs failed in the same way in studies, whose workers set a cache."""
-    with _no_cache_writes():
-      for k in dict.fromkeys(keys):
-        if k not in self._compiled:
-          self._compiled[k] = self._program(k).lower(state_arg, batch_arg).compile()
+    loading their cuDNN graphs ("capturing stream has unjoined work"), and the jitted calls
+    ran. (On CPU, jax 0.10, a jitted call reuses the ahead-of-time executable in memory; whether
+    it compiled again on the H200 was not logged.)"""
+    for k in dict.fromkeys(keys):
+      if k not in self._compiled:
+        self._compiled[k] = self._program(k).lower(state_arg, batch_arg).compile()
 
   @property
   def programs(self) -> int:

@@ -120,34 +120,3 @@ def test_programs_that_do_not_fit_side_by_side_fall_back_to_one(monkeypatch, cap
   assert isinstance(loop._stepper(s, fns, state, 0), phased.OneProgram)
   assert "running one program with device branches" in capsys.readouterr().err
 
-
-def test_ahead_of_time_programs_stay_out_of_the_persistent_cache(tmp_path):
-  """The memory check's ahead-of-time executables write nothing to JAX's persistent
-  compilation cache, which the same test shows in use for an ordinary jitted call."""
-  from jax._src import compilation_cache  # the cache's folder is fixed at its first use
-
-  def step(state, batch):
-    w = phases.cond(phases.due(state["count"], 3), lambda w: w * 2.0, lambda w: w + 1.0,
-                    state["w"])
-    return {"w": w + batch.sum(), "count": state["count"] + 1}, {}
-
-  state = {"w": np.ones(4, np.float32), "count": np.int32(0)}
-  batch = np.arange(4, dtype=np.float32)
-  shapes = jax.eval_shape(lambda: (state, batch))
-  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-  before = [getattr(jax.config, k) for k in keys]
-  for k, v in zip(keys, (str(tmp_path), 0.0)):
-    jax.config.update(k, v)
-  compilation_cache.reset_cache()
-  entries = lambda: sorted(p.name for p in tmp_path.rglob("*-cache"))  # one per executable
-  try:
-    ps = phased.PhasedStep(step, {}, *shapes)
-    ahead = [ps.key({"count": c, "step": c}) for c in (0, 1)]
-    ps.compile(ahead, *shapes)
-    assert ps.programs == 2 and entries() == [], entries()
-    jax.block_until_ready(jax.jit(lambda b: b * 3.0 + 1.0)(batch))
-    assert len(entries()) == 1, entries()
-  finally:
-    for k, v in zip(keys, before):
-      jax.config.update(k, v)
-    compilation_cache.reset_cache()
