@@ -10,7 +10,8 @@
 #   OUT=$OUT bash lab/gpu/soap_gpu_check.sh [SECONDS_PER_RUN]   (default 240)
 # Four lanes of at most two runs each (the stand-in's two runs take half the time each), one
 # lane per GPU: with 4 GPUs about 2 x (SECONDS_PER_RUN + 20); with fewer GPUs lanes share one
-# (1 GPU: 8 runs in a row, several calls' time). $OUT: one log per lane pair (7) + summary.txt.
+# (1 GPU: 8 runs in a row, several calls' time). The GPUs are CUDA_VISIBLE_DEVICES's if set,
+# else all. $OUT: 7 logs + summary.txt.
 set -uo pipefail
 per=${1:-240}
 [[ $per =~ ^[0-9]+$ ]] || { echo "SECONDS_PER_RUN=$per is not a number of seconds" >&2; exit 2; }
@@ -18,8 +19,13 @@ export PYTHONPATH=. SCALEOPT_XLA_DEFAULTS=0 JAX_LOG_COMPILES=1
 out=${OUT:-/tmp/soap_check}
 mkdir -p "$out" runs/soap_check
 rm -rf runs/soap_check/cache*  # every variant starts on an empty cache
-n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-[ "$n" -ge 1 ] || n=1
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then  # the caller's GPUs (e.g. beside a study)
+  IFS=',' read -ra gpus <<< "$CUDA_VISIBLE_DEVICES"
+else
+  read -ra gpus <<< "$(seq -s ' ' 0 $(( $(nvidia-smi -L 2>/dev/null | grep -c '^GPU') - 1 )))"
+fi
+[ "${#gpus[@]}" -ge 1 ] || gpus=(0)
+n=${#gpus[@]}
 STEP=(--set model.vocab_size=32768 --set model.wd_policy=all --set data.seq_len=1024
       --set data.batch_size=512 --set data.microbatches=64 --set run.steps=12
       --set run.log_every=1 --set run.eval_every=0 --set run.checkpoint_every=0
@@ -73,7 +79,7 @@ lane() {  # lane gpu
 
 : > "$out/summary.txt"
 for ((g = 0; g < n && g < 4; g++)); do
-  ( for ((l = g; l < 4; l += n)); do lane "$l" "$g"; done ) &
+  ( for ((l = g; l < 4; l += n)); do lane "$l" "${gpus[$g]}"; done ) &
 done
 wait
 cat "$out/summary.txt"
