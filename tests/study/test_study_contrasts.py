@@ -65,33 +65,44 @@ def _expected(rows: dict, a: str, b: str):
   return float(np.mean(x - y)), float(ci.low), float(ci.high)
 
 
+def _store_rows(out: pathlib.Path) -> dict:
+  """The unrounded test losses of the store (results.csv prints 6 digits: an interval's end
+  near 0 could change sides)."""
+  return {r["cell"]["id"]: {"arm": r["cell"]["arm"], "seed": r["cell"]["seed"],
+                            "test_loss": r["result"]["test_loss"]} for r in store.read(out)}
+
+
+def _check_row(row: list[str], rows: dict, a: str, b: str, label: str) -> float:
+  """One contrast row against SciPy on the store's losses: the difference, its interval, the
+  verdict and every seed's difference; returns the mean difference."""
+  assert row[0] == f"{a} - {b}" and row[1] == label
+  mean, lo, hi = _expected(rows, a, b)
+  nums = [float(v) for v in row[3].replace("[", " ").replace("]", " ").replace(",", " ")
+          .replace("(n=1)", " ").split()]
+  assert math.isclose(nums[0], mean, abs_tol=1.5e-4), (row, mean)  # printed to 4 decimals
+  if lo is None:
+    assert row[2] == "1" and row[4] == "n < 2"
+  else:
+    assert math.isclose(nums[1], lo, abs_tol=1.5e-4) and math.isclose(nums[2], hi,
+                                                                       abs_tol=1.5e-4), row
+    assert row[4] == ("lower" if hi < 0 else "higher" if lo > 0 else "n.s."), (row, lo, hi)
+  la = {int(r["seed"]): float(r["test_loss"]) for r in rows.values() if r["arm"] == a}
+  lb = {int(r["seed"]): float(r["test_loss"]) for r in rows.values() if r["arm"] == b}
+  got = dict(x.split() for x in row[5].split(", "))
+  assert sorted(got) == [f"s{s}" for s in sorted(set(la) & set(lb))], row
+  for s in set(la) & set(lb):
+    assert math.isclose(float(got[f"s{s}"]), la[s] - lb[s], abs_tol=1.5e-4), row
+  return mean
+
+
 def _check_table(out: pathlib.Path, st, arms: set) -> list[list[str]]:
   with (out / "results.csv").open() as fh:
     assert {r["arm"] for r in csv.DictReader(fh)} == arms
-  # the unrounded test losses of the store (results.csv prints 6 digits: an interval's end
-  # near 0 could change sides)
-  rows = {r["cell"]["id"]: {"arm": r["cell"]["arm"], "seed": r["cell"]["seed"],
-                            "test_loss": r["result"]["test_loss"]} for r in store.read(out)}
+  rows = _store_rows(out)
   table = _table((out / "summary.md").read_text())
   assert len(table) == len(st.contrasts)
   for (a, b, label), row in zip(st.contrasts, table):
-    assert row[0] == f"{a} - {b}" and row[1] == label
-    mean, lo, hi = _expected(rows, a, b)
-    nums = [float(v) for v in row[3].replace("[", " ").replace("]", " ").replace(",", " ")
-            .replace("(n=1)", " ").split()]
-    assert math.isclose(nums[0], mean, abs_tol=1.5e-4), (row, mean)  # printed to 4 decimals
-    if lo is None:
-      assert row[2] == "1" and row[4] == "n < 2"
-    else:
-      assert math.isclose(nums[1], lo, abs_tol=1.5e-4) and math.isclose(nums[2], hi,
-                                                                         abs_tol=1.5e-4), row
-      assert row[4] == ("lower" if hi < 0 else "higher" if lo > 0 else "n.s."), (row, lo, hi)
-    la = {int(r["seed"]): float(r["test_loss"]) for r in rows.values() if r["arm"] == a}
-    lb = {int(r["seed"]): float(r["test_loss"]) for r in rows.values() if r["arm"] == b}
-    got = dict(x.split() for x in row[5].split(", "))
-    assert sorted(got) == [f"s{s}" for s in sorted(set(la) & set(lb))], row
-    for s in set(la) & set(lb):
-      assert math.isclose(float(got[f"s{s}"]), la[s] - lb[s], abs_tol=1.5e-4), row
+    _check_row(row, rows, a, b, label)
   assert (out / "contrasts.png").is_file()
   return table
 
@@ -127,23 +138,10 @@ def test_paper_study_claim_cells_run_tiny(corpus, tmp_path, capsys):
   assert cli.main(args) == 0
   assert "4 cell(s) trained now, 0 left" in capsys.readouterr().out
   st = SC.load(PAPER, TINY + [f"data.path={corpus}"])
-  rows = {r["cell"]["id"]: {"arm": r["cell"]["arm"], "seed": r["cell"]["seed"],
-                            "test_loss": r["result"]["test_loss"]} for r in store.read(out)}
-  mean, lo, hi = _expected(rows, "loo_paper", "adamw")
-  assert abs(mean) > 1e-3  # a sign or scale error shows at the table's 4 decimals
   table = _table((out / "summary.md").read_text())
-  assert table[0][:3] == ["loo_paper - adamw", st.contrasts[0][2], "2"]
-  nums = [float(v) for v in table[0][3].replace("[", " ").replace("]", " ")
-          .replace(",", " ").split()]
-  assert len(nums) == 3 and all(math.isclose(a, b, abs_tol=1.5e-4)
-                                for a, b in zip(nums, (mean, lo, hi))), nums
-  assert table[0][4] == ("lower" if hi < 0 else "higher" if lo > 0 else "n.s."), table[0]
-  loss = lambda arm, seed: next(r["test_loss"] for r in rows.values()
-                                if r["arm"] == arm and r["seed"] == seed)
-  got = dict(x.split() for x in table[0][5].split(", "))
-  assert sorted(got) == ["s0", "s1"] and all(
-      math.isclose(float(got[f"s{s}"]), loss("loo_paper", s) - loss("adamw", s), abs_tol=1.5e-4)
-      for s in (0, 1)), table[0]
+  assert table[0][2] == "2"
+  mean = _check_row(table[0], _store_rows(out), *st.contrasts[0])
+  assert abs(mean) > 1e-3  # a sign or scale error shows at the table's 4 decimals
   assert [r[3] for r in table[1:]] == ["unfinished"] * (len(table) - 1)
 
 

@@ -119,4 +119,3 @@ def test_programs_that_do_not_fit_side_by_side_fall_back_to_one(monkeypatch, cap
   monkeypatch.setattr(faults, "pool_bytes", lambda: 2 ** 20)  # 1 MiB per device
   assert isinstance(loop._stepper(s, fns, state, 0), phased.OneProgram)
   assert "running one program with device branches" in capsys.readouterr().err
-
