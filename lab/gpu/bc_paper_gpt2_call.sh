@@ -9,6 +9,7 @@
 # checkpoints (every 100 steps, and at the stop). $OUT gets the finished cells (cells.jsonl),
 # the worker logs' tails and the corpus log; merge cells.jsonl into
 # docs/studies/bc_paper_gpt2/ and rebuild the report with --report-only.
+# SCALEOPT_CELLS='loo_base_sched/*' (globs) limits the workers to those cells.
 # BENCH="command" runs a benchmark beside the study on BENCH_GPUS (default: the last GPU; the
 # workers take the others), killed at the deadline; its output goes to $OUT/bench.log. The
 # benchmark scripts pick their GPUs within CUDA_VISIBLE_DEVICES, which is set to BENCH_GPUS.
