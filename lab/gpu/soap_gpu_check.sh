@@ -6,7 +6,7 @@
 # corpus (the study reads shards), and the benchmark's stand-in with every step's time printed.
 # The environment is a study worker's: no launcher XLA flags (SCALEOPT_XLA_DEFAULTS=0, as the
 # study's cells ran). JAX_LOG_COMPILES=1 logs every compile and persistent-cache hit.
-#   RUNS="name ..." OUT=$OUT bash lab/gpu/soap_gpu_check.sh [SECONDS_PER_RUN]   (default 240)
+#   RUNS="name ..." [STEPS=12] OUT=$OUT bash lab/gpu/soap_gpu_check.sh [SECONDS_PER_RUN]   (default 240)
 # Runs (RUNS, default all, in this order):
 #   adamw_control        AdamW at the same step (cache C0)
 #   soap_study_env       the study's SOAP arm with a persistent cache (C1)
@@ -42,7 +42,7 @@ fi
 [ "${#gpus[@]}" -ge 1 ] || gpus=(0)
 n=${#gpus[@]}
 STEP=(--set model.vocab_size=32768 --set model.wd_policy=all --set data.seq_len=1024
-      --set data.batch_size=512 --set data.microbatches=64 --set run.steps=12
+      --set data.batch_size=512 --set data.microbatches=64 --set run.steps=${STEPS:-12}
       --set run.log_every=1 --set run.eval_every=0 --set run.checkpoint_every=0
       --set run.progress=false --set run.tensorboard=false --set optimizer.schedule.warmup_steps=2
       --set optimizer.schedule.min_lr_ratio=0.0)

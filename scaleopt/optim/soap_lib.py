@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaleopt.optim import phases
 from scaleopt.optim.collect import (BCStats, CollectorSpec, StateHooks, Static,
                                     register_bc_state)
 from scaleopt.optim.shampoo_lib import PRECISIONS, blocking, eigh_damped, from_blocks, to_blocks
@@ -129,8 +128,22 @@ def _sorted_power_step(fac: dict, nu: dict, precision) -> tuple[dict, dict]:
       idx = jnp.argsort(-jnp.sum(q * aq, axis=1), axis=-1)  # (n, s), stable
       mats[(k, side)] = jnp.take_along_axis(aq, idx[:, None, :], axis=2)
       nu[k] = jnp.take_along_axis(nu[k], jnp.expand_dims(idx, 3 - ax), axis=ax)
-  qs = _batched_by_size(mats, lambda x: jnp.linalg.qr(x)[0])
+  qs = _batched_by_size(mats, _qr_q)
   return _with_bases(fac, qs), nu
+
+
+def _qr_q(x_Bxsxs: jax.Array) -> jax.Array:
+  """Q of each matrix's QR factorization (``jnp.linalg.qr``), in calls of at most
+  ``s // 129`` matrices each (one call for all when s <= 128).
+
+  jaxlib's GPU QR takes cuBLAS's batched kernel, which is written for small matrices, for any
+  call of B > 1 matrices with s // B <= 128; a model's bases stacked into one call (gpt2-small:
+  tens of matrices of 768 and 2048) then take tens of seconds. With at most s // 129 per call
+  every call stays on cuSOLVER's kernel for one matrix at a time."""
+  s = x_Bxsxs.shape[-1]
+  if s <= 128:
+    return jnp.linalg.qr(x_Bxsxs)[0]
+  return jax.lax.map(lambda x: jnp.linalg.qr(x)[0], x_Bxsxs, batch_size=max(1, s // 129))
 
 
 def _first_bases(fac: dict) -> dict:
@@ -370,12 +383,17 @@ def scale_by_soap(
 
 def _refresh(c, fac, nu, every, precision):
   """On due calls: the first bases (c = 0) or a sorted power step; factors kept on their
-  owners."""
+  owners.
+
+  A device branch (``lax.cond``), not one of ``phases``' host-picked programs: on an H200
+  (jax 0.11.2) SOAP's host-picked programs failed at their first run while XLA loaded their
+  cuDNN attention graphs, and the one program with device branches trains (docs/optim_soap.md,
+  "On GPUs")."""
   def refresh(fac, nu):
     return jax.lax.cond(c == 0, lambda: (_first_bases(fac), nu),
                         lambda: _sorted_power_step(fac, nu, precision))
 
-  fac, nu = phases.cond(phases.due(c, every), refresh, lambda fac, nu: (fac, nu), fac, nu)
+  fac, nu = jax.lax.cond(c % every == 0, refresh, lambda fac, nu: (fac, nu), fac, nu)
   own = lambda a: None if a is None else _on_owner(a)
   return {k: SoapFactors(*map(own, f)) for k, f in fac.items()}, nu
 

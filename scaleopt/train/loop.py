@@ -62,7 +62,7 @@ class Setup:
 def setup(cfg: TrainConfig) -> Setup:
   """Builds data, model, optimizer and mesh; every user error surfaces here."""
   mesh_lib.maybe_initialize_distributed(cfg.mesh.distributed)
-  metrics.check_outputs(cfg.run.wandb, cfg.run.profile)
+  metrics.check_outputs(cfg.run.wandb, cfg.run.profile, cfg.run.tensorboard)
   model = bridge.make_model(cfg.model)
   if model.init_from:
     try:

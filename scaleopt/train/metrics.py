@@ -63,8 +63,17 @@ class TBWriter:
     self._w.close()
 
 
-def check_outputs(wandb: Optional[dict], profile: Optional[dict]) -> None:
-  """Validates ``run.wandb`` and ``run.profile`` before anything compiles."""
+def check_outputs(wandb: Optional[dict], profile: Optional[dict],
+                  tensorboard: bool = False) -> None:
+  """Validates ``run.wandb``, ``run.profile`` and ``run.tensorboard`` before anything
+  compiles."""
+  if tensorboard:
+    try:
+      import tensorboardX as _  # noqa: F401
+    except ImportError:
+      raise OutputConfigError("run.tensorboard is on but the tensorboardX package is not "
+                              "installed (pip install tensorboardX, or set "
+                              "run.tensorboard=false)") from None
   if wandb is not None:
     bad = [k for k in wandb if k not in WANDB_KEYS]
     if bad:

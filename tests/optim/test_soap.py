@@ -238,3 +238,46 @@ def test_soap_bc_loo_bias_per_rotated_coordinate():
   assert np.all(bias_cf > 0), bias_cf
   assert np.all(np.abs(bias_full) < bias_cf), (bias_cf, bias_full)
   assert np.all(np.abs(out["cf"][~sig]) < 0.05 * np.abs(out["cf"][sig]).max())
+
+
+def _geqrf_batches(lowered_text):
+  """(batch, rows) of every cuSOLVER QR call in a module lowered for CUDA."""
+  import re
+  calls = re.findall(r"custom_call @cusolver_geqrf_ffi\(.*?\) .*?: \(tensor<(\d+)x(\d+)x\d+xf32>",
+                     lowered_text)
+  return [(int(b), int(r)) for b, r in calls]
+
+
+def test_soap_power_step_keeps_gpu_qr_off_the_small_matrix_kernel(monkeypatch):
+  """jaxlib's GPU QR runs a call of B > 1 matrices of size s on cuBLAS's batched kernel for
+  small matrices whenever s // B <= 128 (slow for SOAP's bases, tens of seconds per refresh on
+  an H200); every QR call of the refresh, lowered for CUDA on the GPU code path, must hold one
+  matrix or few enough that s // B > 128."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the accelerators' batched path
+  tx, _ = optim.build({"name": "soap", "learning_rate": 1.0, "schedule": {"kind": "constant"},
+                       "extra": {"precondition_frequency": 2}})
+  params = {"w": jnp.zeros((6, 260, 300), jnp.float32), "v": jnp.zeros((3, 300, 300))}
+  state = jax.eval_shape(tx.init, params)
+  text = jax.jit(tx.update).trace(params, state, params).lower(
+      lowering_platforms=("cuda",)).as_text()
+  calls = _geqrf_batches(text)
+  assert {r for _, r in calls} == {260, 300}, calls  # the power step's QRs were found
+  assert all(b == 1 or r // b > 128 for b, r in calls), calls
+
+
+def test_soap_qr_in_groups_equals_one_call_per_coordinate():
+  x = jax.random.normal(jax.random.PRNGKey(0), (5, 300, 300))
+  from scaleopt.optim.soap_lib import _qr_q
+  np.testing.assert_array_equal(np.asarray(_qr_q(x)), np.asarray(jnp.linalg.qr(x)[0]))
+
+
+def test_soap_refresh_is_a_device_branch():
+  """SOAP's basis refresh is no host-picked program (``phases``): those failed on an H200
+  (docs/optim_soap.md, "On GPUs"); the trainer then runs SOAP as one program."""
+  from scaleopt.optim import phases
+  tx, _ = optim.build({"name": "soap", "learning_rate": 1.0})
+  params = {"w": jnp.zeros((6, 5), jnp.float32)}
+  state = tx.init(params)
+  with phases.record() as schedules:
+    jax.eval_shape(tx.update, params, state, params)
+  assert schedules == set()

@@ -86,6 +86,14 @@ def test_wandb_enabled_but_missing_is_a_config_error(monkeypatch, capsys, tmp_pa
       M.check_outputs(None, bad)
 
 
+def test_tensorboard_on_but_missing_is_a_config_error(monkeypatch):
+  M.check_outputs(None, None, tensorboard=True)  # installed here
+  monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import tensorboardX -> ImportError
+  with pytest.raises(C.ConfigError, match="run.tensorboard=false"):
+    M.check_outputs(None, None, tensorboard=True)
+  M.check_outputs(None, None, tensorboard=False)
+
+
 def _trace_files(d):
   return list(d.rglob("*.xplane.pb"))
 
