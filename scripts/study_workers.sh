@@ -12,7 +12,8 @@
 # --report-only` (run it anywhere the folders are). SCALEOPT_GPUS="1 2 3" picks the GPUs (one
 # worker each; e.g. leave GPU 0 to a benchmark running beside the study); SCALEOPT_WORKERS
 # overrides the GPU count (on CPU: the number of local workers, for a dry run).
-# SCALEOPT_CELLS='GLOB ...' limits the workers to those cells (`scaleopt study --cells`).
+# SCALEOPT_CELLS='GLOB ...' limits the workers to those cells (`scaleopt study --cells`, in
+# every study of the launch).
 # SCALEOPT_CLAIM_TOKEN and SCALEOPT_DEADLINE (epoch seconds) let a second launch join this one
 # (e.g. GPU 0 after a benchmark): same token = shared claims, same deadline.
 set -u
@@ -42,7 +43,8 @@ worker() {
     [ $left -ge 60 ] || break
     args=()
     for kv in "${parts[@]:1}"; do args+=(--set "$kv"); done
-    [ -z "${SCALEOPT_CELLS:-}" ] || { read -ra cells <<< "$SCALEOPT_CELLS"; args+=(--cells "${cells[@]}"); }
+    read -ra cells <<< "${SCALEOPT_CELLS:-}"
+    [ ${#cells[@]} -eq 0 ] || args+=(--cells "${cells[@]}")
     echo "== worker $i: $name ($left s left) $(date +%T)"
     CUDA_VISIBLE_DEVICES=$i $py -m scaleopt.cli study --config "$study" --out "$root/$name" \
       --claim "$token" --max-minutes "$(awk "BEGIN{print $left / 60}")" "${args[@]}"

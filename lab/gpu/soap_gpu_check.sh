@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Why SOAP stops on the H200 (docs/results.md, "SOAP on the H200"): one device call that runs
-# variants meant to separate the suspected causes, each a short `scaleopt train` of the
+# SOAP on the H200 (docs/results.md, "SOAP on the H200"): one device call that runs variants
+# meant to separate causes of failure or slowness, each a short `scaleopt train` of the
 # bc_paper_gpt2 SOAP arm's step (gpt2-small shapes, vocabulary 32,768, 512 x 1024 tokens as
-# 64 microbatches of 8; 12 steps: the first basis refresh by QR is step 10) on the embedded
+# 64 microbatches of 8; 12 steps: the first basis refresh by QR is logged as step 11) on the embedded
 # corpus (the study reads shards), and the benchmark's stand-in with every step's time printed.
 # The environment is a study worker's: no launcher XLA flags (SCALEOPT_XLA_DEFAULTS=0, as the
 # study's cells ran). JAX_LOG_COMPILES=1 logs every compile and persistent-cache hit.
@@ -10,7 +10,8 @@
 # Runs (RUNS, default all, in this order):
 #   adamw_control        AdamW at the same step (cache C0)
 #   soap_study_env       the study's SOAP arm with a persistent cache (C1)
-#   soap_study_env_again the same on the cache the first filled (a resumed cell's start)
+#   soap_study_env_twice soap_study_env twice in a row on one cache (the second: a resumed
+#                        cell's start, reading the cache the first wrote)
 #   soap_no_cache        no persistent cache
 #   soap_device_phases   run.host_phases=off: one program, the refresh as a device branch
 #   soap_xla_attention   model.attention_impl=xla
@@ -24,12 +25,14 @@
 set -uo pipefail
 per=${1:-240}
 [[ $per =~ ^[0-9]+$ ]] || { echo "SECONDS_PER_RUN=$per is not a number of seconds" >&2; exit 2; }
-all="adamw_control soap_study_env soap_study_env_again soap_no_cache soap_device_phases
+all="adamw_control soap_study_env soap_study_env_twice soap_no_cache soap_device_phases
      soap_xla_attention soap_bc stand_in_jit stand_in_aot stand_in_no_cmdbuf"
-read -ra runs <<< "$(echo ${RUNS:-$all})"
+read -ra known <<< "$(tr '\n' ' ' <<< "$all")"
+read -ra runs <<< "${RUNS:-${known[*]}}"
 for r in "${runs[@]}"; do
-  grep -qw -- "$r" <<< "$all" || { echo "RUNS: unknown run '$r' (one of: $(echo $all))" >&2; exit 2; }
+  [[ " ${known[*]} " == *" $r "* ]] || { echo "RUNS: unknown run '$r' (one of: ${known[*]})" >&2; exit 2; }
 done
+[ "$(printf '%s\n' "${runs[@]}" | sort | uniq -d)" = "" ] || { echo "RUNS: a run is named twice" >&2; exit 2; }
 export PYTHONPATH=. SCALEOPT_XLA_DEFAULTS=0 JAX_LOG_COMPILES=1 PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/soap_check}
 mkdir -p "$out" runs/soap_check
@@ -78,7 +81,9 @@ one() {  # name gpu log
   local g=$2 l=$3
   case $1 in
     adamw_control) train "$g" "$l" "$1" "${C}0" --set optimizer.name=adamw ;;
-    soap_study_env|soap_study_env_again) train "$g" "$l" "$1" "${C}1" "${S[@]}" ;;
+    soap_study_env) train "$g" "$l" "$1" "${C}1" "${S[@]}" ;;
+    soap_study_env_twice) train "$g" "$l" "$1" "${C}2" "${S[@]}"
+                          train "$g" "$l" "${1}_again" "${C}2" "${S[@]}" ;;
     soap_no_cache) train "$g" "$l" "$1" - "${S[@]}" ;;
     soap_device_phases) train "$g" "$l" "$1" "${C}3" "${S[@]}" --set run.host_phases=off ;;
     soap_xla_attention) train "$g" "$l" "$1" "${C}4" "${S[@]}" --set model.attention_impl=xla ;;

@@ -139,7 +139,8 @@ def _qr_q(x_Bxsxs: jax.Array) -> jax.Array:
   jaxlib's GPU QR takes cuBLAS's batched kernel, which is written for small matrices, for any
   call of B > 1 matrices with s // B <= 128; a model's bases stacked into one call (gpt2-small:
   tens of matrices of 768 and 2048) then take tens of seconds. With at most s // 129 per call
-  every call stays on cuSOLVER's kernel for one matrix at a time."""
+  every call stays on cuSOLVER's kernel for one matrix at a time (under an outer ``vmap`` a
+  call holds that many times more)."""
   s = x_Bxsxs.shape[-1]
   if s <= 128:
     return jnp.linalg.qr(x_Bxsxs)[0]

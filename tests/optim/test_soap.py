@@ -256,12 +256,13 @@ def test_soap_power_step_keeps_gpu_qr_off_the_small_matrix_kernel(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the accelerators' batched path
   tx, _ = optim.build({"name": "soap", "learning_rate": 1.0, "schedule": {"kind": "constant"},
                        "extra": {"precondition_frequency": 2}})
-  params = {"w": jnp.zeros((6, 260, 300), jnp.float32), "v": jnp.zeros((3, 300, 300))}
+  # 384: the largest allowed group (2) is one below what s // 128 would give (3)
+  params = {"w": jnp.zeros((6, 260, 300), jnp.float32), "v": jnp.zeros((3, 384, 384))}
   state = jax.eval_shape(tx.init, params)
   text = jax.jit(tx.update).trace(params, state, params).lower(
       lowering_platforms=("cuda",)).as_text()
   calls = _geqrf_batches(text)
-  assert {r for _, r in calls} == {260, 300}, calls  # the power step's QRs were found
+  assert {r for _, r in calls} == {260, 300, 384}, calls  # the power step's QRs were found
   assert all(b == 1 or r // b > 128 for b, r in calls), calls
 
 
