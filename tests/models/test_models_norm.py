@@ -99,7 +99,8 @@ def test_vjp_with_kernel_equals_plain_autodiff(dtype):
       assert np.all(np.abs(a - b) <= 2.0**-7 * np.abs(b) + 2e-3 * np.abs(b).max()), name
 
 
-@pytest.mark.parametrize("cfg", [tiny(), tiny_moe(post_norm=True, qkv_bias=True)],
+@pytest.mark.parametrize("cfg", [
+    tiny(), pytest.param(tiny_moe(post_norm=True, qkv_bias=True), marks=pytest.mark.integration)],
                          ids=["dense", "moe_post_norm"])
 def test_model_loss_and_gradients_with_kernel(cfg):
   params = models.functional(cfg)[0](jax.random.key(0))

@@ -148,7 +148,8 @@ def test_ab_group_statistics_equal_float64_reference():
     close(got[0].b.var[k], c * c * np.var(g[k][h:], 0, ddof=1) / h, 1e-4)
 
 
-@pytest.mark.parametrize("mode,crossfit", [("full", "ab"), ("inv", "ab")])
+@pytest.mark.parametrize("mode,crossfit", [
+    ("full", "ab"), pytest.param("inv", "ab", marks=pytest.mark.integration)])
 def test_vmap_equals_scan_for_group_layouts(mode, crossfit):
   params, mbs, loss = mlp()
   bc = dict(mode=mode, crossfit=crossfit)

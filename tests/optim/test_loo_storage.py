@@ -58,7 +58,8 @@ def leaves(t):
   return [np.asarray(x, np.float64) for x in jax.tree.leaves(t)]
 
 
-@pytest.mark.parametrize("vmap", [False, True], ids=["scan", "vmap"])
+@pytest.mark.parametrize("vmap", [False, pytest.param(True, marks=pytest.mark.integration)],
+                         ids=["scan", "vmap"])
 def test_float32_storage_equals_the_two_pass_form(vmap):
   ref, p_ref = stats_of(dict(loo_passes=2))
   got, p_got = stats_of(dict(loo_storage="float32"), vmap=vmap)

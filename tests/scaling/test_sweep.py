@@ -71,6 +71,7 @@ def test_padded_vmapped_sweep_equals_one_at_a_time(tiny_result):
   assert all(np.all(np.isfinite(a)) for a in res.losses.values())
 
 
+@pytest.mark.integration  # two more sweeps; the padded-vmapped equality above stays fast
 def test_finite_data_and_nonlinear_features_also_match_single():
   """Finite training data with label noise (relu: the training quadratic is sampled), and tanh
   features (no closed-form kernel: train and test statistics differ) against one-at-a-time
