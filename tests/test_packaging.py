@@ -125,6 +125,7 @@ def test_path_wins_and_unknown_name_lists_names(tmp_path, monkeypatch):
     SC.resolve_config("../configs/train/tiny", "train")
 
 
+@pytest.mark.integration  # builds and installs the wheel: second tier
 def test_installed_wheel_resolves_names_from_any_folder(installed, tmp_path):
   r = _run([installed / "python", "-c", "import scaleopt.config as c, scaleopt; "
             "print(scaleopt.__file__); print(c.resolve_config('tiny', 'train')); "

@@ -9,11 +9,13 @@ from models_testlib import init_params, jit_apply, randomize_scales, tiny, tiny_
 
 slow = pytest.mark.slow
 FOLD_CASES = [
-    tiny(dual="dp", qkv_bias=True, tie_embeddings=False),
+    pytest.param(tiny(dual="dp", qkv_bias=True, tie_embeddings=False),
+                 marks=pytest.mark.integration),  # the two heaviest: second tier
     tiny(qk_norm=True, final_scale_role="output", reparam="or_product"),
     tiny(dual="dnp", reparam="or_normalized", post_norm=True),
     tiny(n_kv_heads=1).with_variant("unified"),
-    tiny_moe(moe_capacity_factor=0.0).with_variant("unified"),
+    pytest.param(tiny_moe(moe_capacity_factor=0.0).with_variant("unified"),
+                 marks=pytest.mark.integration),
     pytest.param(tiny(), marks=slow),
     pytest.param(tiny(scales="hg", qkv_bias=True), marks=slow),
     pytest.param(tiny(scales="hg", dual="dp", reparam="or_product"), marks=slow),

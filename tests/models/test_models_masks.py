@@ -104,6 +104,7 @@ def test_is_embedding_and_role_of_paths():
     models.role_of("blocks/b0/mystery")
 
 
+@pytest.mark.integration  # an optax training step on the model: second tier
 def test_masks_work_with_optax_and_pure_dict_params():
   cfg = tiny()
   params = models.functional(cfg)[0](jax.random.key(0))

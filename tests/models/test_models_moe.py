@@ -103,6 +103,7 @@ def test_moe_layer_matches_naive_per_token_reference(cf):
   assert (dropped > 0) == (cf > 0)
 
 
+@pytest.mark.integration  # the capacity reference test above stays in the fast tier
 def test_every_expert_receives_gradient():
   cfg = tiny_moe()
   params = init_params(cfg)

@@ -94,7 +94,8 @@ def test_module_and_functional_agree_and_bf16_close():
     tiny(),
     tiny().with_variant("unified"),
     pytest.param(tiny(qk_norm=True, post_norm=True, qkv_bias=True), marks=pytest.mark.slow),
-    tiny_moe(moe_capacity_factor=0.5),  # dropping tokens must stay causal too
+    pytest.param(tiny_moe(moe_capacity_factor=0.5),  # dropping tokens must stay causal too
+                 marks=pytest.mark.integration),
 ], ids=["standard", "unified", "qknorm-post", "moe-capacity"])
 def test_causality(cfg):
   params = randomize_scales(init_params(cfg))
@@ -107,6 +108,7 @@ def test_causality(cfg):
   assert float(jnp.max(jnp.abs(a[:, t0:] - b[:, t0:]))) > 1e-3  # the future did change
 
 
+@pytest.mark.integration  # a second compile of the model with remat: second tier
 def test_remat_gives_same_loss_and_grads():
   cfg = tiny()
   params = init_params(cfg)

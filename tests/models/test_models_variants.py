@@ -22,7 +22,9 @@ NO_NEW_NORM = [
 
 
 @pytest.mark.parametrize("base", [tiny(qkv_bias=True, tie_embeddings=False),
-                                  tiny_moe(moe_capacity_factor=0.0)], ids=["dense", "moe"])
+                                  pytest.param(tiny_moe(moe_capacity_factor=0.0),
+                                               marks=pytest.mark.integration)],
+                         ids=["dense", "moe"])
 def test_variants_equal_standard_at_init(base):
   toks = tokens(base)
   ref = jit_apply(base)(init_params(base), toks)[0]

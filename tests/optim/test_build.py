@@ -97,7 +97,8 @@ EXPECTED_SPEC = {"adamw": ("all", None), "adamw_bc": ("loo", None), "sophia": ("
 
 
 @pytest.mark.parametrize("name", ["adamw", "adamw_bc", "sophia", "sophia_bc", "shampoo",
-                                  "shampoo_bc", "muon"])
+                                  pytest.param("shampoo_bc", marks=pytest.mark.integration),
+                                  "muon"])
 def test_every_optimizer_trains_a_tiny_lm(name):
   params, loss_fn, logits_fn, mbs = _tiny_lm()
   extra = {"block_size": 8, "root_every": 2} if name.startswith("shampoo") else {}

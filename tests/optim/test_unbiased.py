@@ -127,6 +127,7 @@ def _steps(tx, params, mbs, loss, n=2, edit=None):
   return params
 
 
+@pytest.mark.integration  # compiles a whole injected chain: second tier
 def test_inject_hyperparams_live_b2_reaches_the_collector():
   """Changing b2 in inject_hyperparams' state changes the LOO folds in the same step: equal to
   a transform built with that b2 (and not to the one built with the stale value)."""

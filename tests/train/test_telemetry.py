@@ -90,6 +90,7 @@ def test_bc_plugin_is_adam_and_clamped_coordinates_are_zero_updates():
                                err_msg=g)
 
 
+@pytest.mark.integration  # the grouped-norm test above stays in the fast tier
 def test_plain_adamw_has_norms_only():
   tx, state, params, stats, updates = _stats_and_update(
       {"name": "adamw", "learning_rate": 1e-3, "schedule": {"kind": "constant"}})
