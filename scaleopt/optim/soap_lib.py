@@ -388,7 +388,7 @@ def _refresh(c, fac, nu, every, precision):
 
   A device branch (``lax.cond``), not one of ``phases``' host-picked programs: on an H200
   (jax 0.11.2) SOAP's host-picked programs failed at their first run while XLA loaded their
-  cuDNN attention graphs, and the one program with device branches trains (docs/optim_soap.md,
+  cuDNN attention graphs, and the one program with device branches runs (docs/optim_soap.md,
   "On GPUs")."""
   def refresh(fac, nu):
     return jax.lax.cond(c == 0, lambda: (_first_bases(fac), nu),

@@ -2,7 +2,10 @@
 step: skipped first step, eigh basis, Adam in the rotated basis with the momentum rotated back
 and forth, QR power iteration with the descending sort that permutes v), per coordinate over
 several steps including two basis updates: two-sided, one-sided (a side above
-max_precond_dim), stacked matrices, 1-D tensors (Adam) and Shampoo's blocking."""
+max_precond_dim), stacked matrices, 1-D tensors (Adam) and Shampoo's blocking. Also the GPU
+path's QR call sizes (lowered for CUDA) and the refresh as one device branch."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +13,8 @@ import numpy as np
 import pytest
 
 from scaleopt import optim
+from scaleopt.optim import phases
+from scaleopt.optim.soap_lib import _qr_q
 
 B1, B2, SB, EPS, FREQ, STEPS = 0.9, 0.8, 0.7, 1e-8, 3, 8
 
@@ -242,7 +247,6 @@ def test_soap_bc_loo_bias_per_rotated_coordinate():
 
 def _geqrf_batches(lowered_text):
   """(batch, rows) of every cuSOLVER QR call in a module lowered for CUDA."""
-  import re
   calls = re.findall(r"custom_call @cusolver_geqrf_ffi\(.*?\) .*?: \(tensor<(\d+)x(\d+)x\d+xf32>",
                      lowered_text)
   return [(int(b), int(r)) for b, r in calls]
@@ -268,14 +272,12 @@ def test_soap_power_step_keeps_gpu_qr_off_the_small_matrix_kernel(monkeypatch):
 
 def test_soap_qr_in_groups_equals_one_call_per_coordinate():
   x = jax.random.normal(jax.random.PRNGKey(0), (5, 300, 300))
-  from scaleopt.optim.soap_lib import _qr_q
   np.testing.assert_array_equal(np.asarray(_qr_q(x)), np.asarray(jnp.linalg.qr(x)[0]))
 
 
 def test_soap_refresh_is_a_device_branch():
   """SOAP's basis refresh is no host-picked program (``phases``): those failed on an H200
   (docs/optim_soap.md, "On GPUs"); the trainer then runs SOAP as one program."""
-  from scaleopt.optim import phases
   tx, _ = optim.build({"name": "soap", "learning_rate": 1.0})
   params = {"w": jnp.zeros((6, 5), jnp.float32)}
   state = tx.init(params)
