@@ -129,7 +129,7 @@ def _moments(state: ScaleByAdamBCState, hp: dict):
   return t, 1.0 - hp["b1"] ** t, 1.0 - hp["b2"] ** t
 
 
-def loo_fold_fn(state: ScaleByAdamBCState, hp: dict) -> Callable:
+def loo_fold_fn(state: ScaleByAdamBCState, hp: dict, g_full, m) -> Callable:
   """Per-fold terms of the leave-one-out update (notes section 3.3).
 
   For fold r with g_{-r} = (m g_full - g_r) / (m - 1):
@@ -143,7 +143,7 @@ def loo_fold_fn(state: ScaleByAdamBCState, hp: dict) -> Callable:
   b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
   _, bc1, bc2 = _moments(state, hp)
 
-  def leaf(mu, nu, gr, gf, m):
+  def leaf(mu, nu, gr, gf):
     if _masked(mu):
       z = jnp.zeros((), jnp.float32)
       return z, z, z
@@ -152,9 +152,8 @@ def loo_fold_fn(state: ScaleByAdamBCState, hp: dict) -> Callable:
     d = jnp.sqrt(jnp.maximum((b2 * nu + (1 - b2) * g_mr * g_mr) / bc2, 0.0)) + eps
     return m_hat / d, m_hat / (d * d * d), d
 
-  def fold(g_r, g_full, m):
-    out = jax.tree.map(lambda mu, nu, gr, gf: leaf(mu, nu, gr, gf, m), state.mu, state.nu, g_r,
-                       g_full, is_leaf=_masked)
+  def fold(g_r):
+    out = jax.tree.map(leaf, state.mu, state.nu, g_r, g_full, is_leaf=_masked)
     first, third, d = unzip(out, g_r, 3)
     return {"first": first, "third": third}, d
 

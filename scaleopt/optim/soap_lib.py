@@ -207,7 +207,7 @@ def _direction(g, m, v, f, blk, c, hp, form):
   return u, m, v
 
 
-def soap_fold_fn(state: ScaleBySoapState, hp: dict) -> Callable:
+def soap_fold_fn(state: ScaleBySoapState, hp: dict, g_full, m) -> Callable:
   """Leave-one-out fold terms in the rotated basis (the AdamW-BC folds of docs/optim.md per
   rotated coordinate; the basis Q is the state's, built from earlier steps). For fold r with
   G'_{-r} = (m G'_full - G'_r) / (m - 1), primes rotated (Q_L^T . Q_R):
@@ -216,7 +216,8 @@ def soap_fold_fn(state: ScaleBySoapState, hp: dict) -> Callable:
       d_r     = sqrt((b2 v + (1 - b2) G'_{-r}^2) / (1 - b2^t)) + eps / sqrt(1 - b2^t)
 
   returns ({"first": m_hat_r / d_r, "third": m_hat_r / d_r^3}, d_r) in the rotated (blocked)
-  shapes; t = max(count, 1) (the call-0 update is discarded)."""
+  shapes; t = max(count, 1) (the call-0 update is discarded). mu and G_full are rotated once
+  here, so that each of the m folds rotates only its own G_r."""
   prec, plan = state.plan.value
   plan = dict(plan)
   t = jnp.maximum(state.count, 1).astype(jnp.float32)
@@ -225,17 +226,20 @@ def soap_fold_fn(state: ScaleBySoapState, hp: dict) -> Callable:
   mu_l, td = jax.tree.flatten(state.mu, is_leaf=_is_masked)
   nu_l = td.flatten_up_to(state.nu)
   rot = lambda x, i: _fwd(x, state.factors.get(str(i)), plan.get(str(i), (None,))[0], prec)
-  mu_r = [None if _is_masked(x) else rot(x, i) for i, x in enumerate(mu_l)]
+  live = [not _is_masked(x) for x in mu_l]
+  mu_r = [rot(x, i) if ok else None for i, (x, ok) in enumerate(zip(mu_l, live))]
+  gf_r = [rot(x, i) if ok else None for i, (x, ok) in enumerate(zip(td.flatten_up_to(g_full),
+                                                                      live))]
 
-  def fold(g_r, g_full, m):
+  def fold(g_r):
     out = []
-    for i, (gr, gf) in enumerate(zip(td.flatten_up_to(g_r), td.flatten_up_to(g_full))):
-      if mu_r[i] is None:
+    for i, gr in enumerate(td.flatten_up_to(g_r)):
+      if not live[i]:
         z = jnp.zeros((), jnp.float32)
         out.append((z, z, z))
         continue
-      gr, gf = rot(gr, i), rot(gf, i)
-      g_mr = (m * gf - gr) / (m - 1)
+      gr = rot(gr, i)
+      g_mr = (m * gf_r[i] - gr) / (m - 1)
       m_hat = (b1 * mu_r[i] + (1 - b1) * gr) / bc1
       d = jnp.sqrt(jnp.maximum((b2 * nu_l[i] + (1 - b2) * g_mr * g_mr) / bc2, 0.0))
       d = d + _eps_hat(hp["eps"], bc2)

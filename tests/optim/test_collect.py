@@ -143,12 +143,13 @@ def test_loo_layout_runs_fold_fn_on_every_microbatch(setup, passes):
   params, mbs, (g, _, _) = setup
   m = 8
 
-  def fold_fn(g_r, g_full, m_):
-    # leave-one-out mean and a nonlinear per-fold quantity
-    g_mr = jax.tree.map(lambda r, f: (m_ * f - r) / (m_ - 1), g_r, g_full)
-    return {"loo": g_mr}, jax.tree.map(lambda x: x * x, g_mr)
+  def fold_fn(state, hp, g_full, m_):
+    def fold(g_r):  # leave-one-out mean and a nonlinear per-fold quantity
+      g_mr = jax.tree.map(lambda r, f: (m_ * f - r) / (m_ - 1), g_r, g_full)
+      return {"loo": g_mr}, jax.tree.map(lambda x: x * x, g_mr)
+    return fold
 
-  so.register_bc_state(LooNeeds, StateHooks(fold_fn=lambda state, hp: fold_fn))
+  so.register_bc_state(LooNeeds, StateHooks(fold_fn=fold_fn))
   state = LooNeeds(Static(CollectorSpec(layout="loo", loo_passes=passes)), {})
   st = jax.jit(lambda p, b: so.collect(mlp_loss, p, b, state))(params, mbs)
   full = jax.tree.map(lambda a: a.mean(0), g)

@@ -36,11 +36,11 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
                                        keep_dtype=spec.loo_dtype)
   c = clip_factor(full.mean, max_norm) if max_norm is not None else jnp.float32(1.0)
   g_full = jax.tree.map(lambda x: c * x, full.mean)
-  folds = [_STATE_HOOKS[type(f.state)].fold_fn(f.state, f.hp) for f in found
+  folds = [_STATE_HOOKS[type(f.state)].fold_fn(f.state, f.hp, g_full, m) for f in found
            if f.state.spec.value.layout == "loo"]
 
   def fold(g_r):
-    outs = [fn(g_r, g_full, m) for fn in folds]
+    outs = [fn(g_r) for fn in folds]
     return jax.tree.map(lambda *xs: sum(xs), *outs)
 
   terms0, d0 = _zeros_like_out(fold, g_full)

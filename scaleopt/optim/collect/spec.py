@@ -130,7 +130,8 @@ class Static:
 class StateHooks(NamedTuple):
   """Per-state-type functions the collector calls (None: not supported by that state).
 
-  fold_fn(state, hp) -> fn(g_r, g_full, m) -> (terms, d): LOO fold terms.
+  fold_fn(state, hp, g_full, m) -> fn(g_r) -> (terms, d): LOO fold terms. Work that needs only
+    g_full (e.g. rotating it into a basis) belongs in fold_fn, outside the m folds' loop.
   var_fn(state, hp) -> fn(g_j) -> x_j: per-microbatch quantity for ``var_of="post_ema"``.
   """
   fold_fn: Optional[Callable] = None

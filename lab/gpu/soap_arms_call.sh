@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The bc_paper_gpt2 study's SOAP arms on one GPU (docs/results.md, "Table 2 in the paper's
+# regime"), in back-to-back device calls of one session:
+#   OUT=$OUT bash lab/gpu/soap_arms_call.sh MINUTES
+# The first call on a fresh machine builds the corpus and, beside it, times AdamW's and
+# SOAP-BC's step (`soap_gpu_check.sh`, 12 steps each: $OUT/lane0.log, summary.txt); then it
+# picks the arm that one session's device time can finish: soap_bc when its median step runs at
+# least SOAP_BC_MIN tokens/s (default 270000: 500 steps in about 16 minutes), else soap. Later
+# calls on the same warm machine continue that arm (runs/soap_arm) through
+# bc_paper_gpt2_call.sh, which resumes a cell from its last checkpoint.
+set -uo pipefail
+minutes=${1:-9.5}
+[[ $minutes =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "MINUTES=$minutes is not a number of minutes" >&2; exit 2; }
+start=$(date +%s)
+out=${OUT:-/tmp/soap_arms}
+mkdir -p runs "$out"
+if [ ! -f runs/soap_arm ]; then
+  if [ ! -f runs/corpus/manifest.json ]; then
+    nice python scripts/offline_corpus.py --out runs/corpus --val-fraction 0.04 \
+      > "$out/corpus.log" 2>&1 &
+  fi
+  RUNS="adamw_control soap_bc" STEPS=12 OUT="$out" bash lab/gpu/soap_gpu_check.sh 240 > /dev/null 2>&1
+  wait
+  [ -f runs/corpus/manifest.json ] || { tail -20 "$out/corpus.log"; exit 1; }
+  # median tokens/s of SOAP-BC's steps 2-12 without step 11 (its first QR refresh)
+  rate=$(sed -n '/^== soap_bc /,$p' "$out/lane0.log" | awk '$1 == "step" {
+      split($2, s, "/"); if (s[1] < 2 || s[1] == 11) next
+      for (i = 3; i < NF; i++) if ($i == "tok/s") { v = $(i + 1); gsub(",", "", v); print v } }' \
+    | sort -n | awk '{ a[NR] = $1 } END { print (NR ? a[int((NR + 1) / 2)] : 0) }')
+  arm=soap
+  [ "${rate%.*}" -ge "${SOAP_BC_MIN:-270000}" ] && arm=soap_bc
+  echo "$arm" > runs/soap_arm
+  echo "soap_bc median $rate tokens/s: running the $arm arm" | tee -a "$out/summary.txt"
+fi
+left=$(awk "BEGIN{print ($minutes * 60 - ($(date +%s) - start)) / 60}")
+SCALEOPT_CELLS="$(cat runs/soap_arm)/*" OUT="$out" bash lab/gpu/bc_paper_gpt2_call.sh "$left"
