@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
 # The bc_paper_gpt2 study's SOAP arms on one GPU (docs/results.md, "Table 2 in the paper's
 # regime"), in back-to-back device calls of one session:
-#   OUT=$OUT bash lab/gpu/soap_arms_call.sh MINUTES
-# The first call on a fresh machine builds the corpus and, beside it, times AdamW's and
-# SOAP-BC's step (`soap_gpu_check.sh`, 12 steps each: $OUT/lane0.log, summary.txt); then it
-# picks the arm that one session's device time can finish: soap_bc when its median step runs at
-# least SOAP_BC_MIN tokens/s (default 270000: 500 steps in about 16 minutes), else soap. Later
-# calls on the same warm machine continue that arm (runs/soap_arm) through
-# bc_paper_gpt2_call.sh, which resumes a cell from its last checkpoint.
+#   [ARM=soap|soap_bc] OUT=$OUT bash lab/gpu/soap_arms_call.sh MINUTES
+# The first call on a fresh machine picks the arm: ARM if given, else the one arm not yet in
+# docs/studies/bc_paper_gpt2/cells.jsonl, else (neither finished) it builds the corpus and,
+# beside it, times AdamW's and SOAP-BC's step (`soap_gpu_check.sh`, 12 steps each:
+# $OUT/lane0.log, summary.txt) and takes soap_bc when its median step runs at least
+# SOAP_BC_MIN tokens/s (default 270000: 500 steps in about 16 minutes), else soap. Later calls
+# on the same warm machine continue that arm (runs/soap_arm) through bc_paper_gpt2_call.sh,
+# which builds the corpus if needed and resumes a cell from its last checkpoint.
 set -uo pipefail
+export PYTHONPATH=.
 minutes=${1:-9.5}
 [[ $minutes =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "MINUTES=$minutes is not a number of minutes" >&2; exit 2; }
 start=$(date +%s)
 out=${OUT:-/tmp/soap_arms}
 mkdir -p runs "$out"
+done_arm() { grep -q "\"arm\": *\"$1\"" docs/studies/bc_paper_gpt2/cells.jsonl; }
+if [ ! -f runs/soap_arm ] && [ -n "${ARM:-}" ]; then
+  [[ $ARM =~ ^(soap|soap_bc)$ ]] || { echo "ARM=$ARM is not soap or soap_bc" >&2; exit 2; }
+  echo "$ARM" > runs/soap_arm
+elif [ ! -f runs/soap_arm ] && done_arm soap_bc; then
+  echo soap > runs/soap_arm
+elif [ ! -f runs/soap_arm ] && done_arm soap; then
+  echo soap_bc > runs/soap_arm
+fi
 if [ ! -f runs/soap_arm ]; then
   if [ ! -f runs/corpus/manifest.json ]; then
     nice python scripts/offline_corpus.py --out runs/corpus --val-fraction 0.04 \
@@ -32,5 +43,5 @@ if [ ! -f runs/soap_arm ]; then
   echo "$arm" > runs/soap_arm
   echo "soap_bc median $rate tokens/s: running the $arm arm" | tee -a "$out/summary.txt"
 fi
-left=$(awk "BEGIN{print ($minutes * 60 - ($(date +%s) - start)) / 60}")
+left=$(awk "BEGIN{print ($minutes * 60 - ($(date +%s) - $start)) / 60}")
 SCALEOPT_CELLS="$(cat runs/soap_arm)/*" OUT="$out" bash lab/gpu/bc_paper_gpt2_call.sh "$left"

@@ -402,6 +402,8 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
                            tensorboard=r.tensorboard, enabled=is_main, wandb=r.wandb,
                            config=cfg.to_dict())
   meter = metrics.Meter(s.spec.num_groups * d.batch_size * d.seq_len)
+  if start is not None and is_main and log.path.exists():  # the run's earlier pieces
+    meter.resume(metrics.read_metrics(log.path))
   shape, feed = batch_shape(s), None
   try:
     step = _stepper(s, fns, state, step0)  # compiles host-picked programs (timed as compile)
@@ -532,7 +534,7 @@ def summarize(cfg: TrainConfig, s: Setup, res: Outcome, meter: metrics.Meter, st
       "steps": res.done, "tokens": res.done * meter.tps_unit // n,
       "final_train_loss": float(np.mean(losses)) if losses is not None else None,
       "final_eval_loss": float(res.eval_loss[cell]),
-      "wall_time_s": (time.time() - meter.t0) / n,
+      "wall_time_s": meter.wall() / n,
       "compile_s": meter.compile_s, "tokens_per_s": tps_all / n,
       "params": models.count_params(s.model.cfg),
       "mfu": tps_all * flops_per_token / peak_all if peak_all else None,
@@ -669,7 +671,7 @@ def _log(cfg, cells: Cells, res: Outcome, state, fetched: list, meter, is_eval: 
   n, done = cells.n, res.done
   tps = meter.interval(done)  # of all cells together
   res.last_losses = np.asarray([np.reshape(f["loss"], (n,)) for f in fetched], np.float64)
-  rows = [metrics.step_row(done, m, done * meter.tps_unit // n, tps / n)
+  rows = [metrics.step_row(done, m, done * meter.tps_unit // n, tps / n, meter.wall() / n)
           for m in _per_cell(fetched[-1], n)]
   if is_eval:
     res.eval_loss = cells.evaluate(state)

@@ -155,9 +155,13 @@ def _clean(v):
   return v
 
 
+TIMING = ("tokens_per_s", "mfu", "wall_s")  # the metrics rows' keys that time the run
+
+
 class Meter:
   """Training-only wall time (after the compile step, without eval) and tokens/s, of the
-  trainer and of the study's vmapped cells (``tokens_per_step``: of all cells together)."""
+  trainer and of the study's vmapped cells (``tokens_per_step``: of all cells together).
+  A resumed run carries its earlier pieces' timed steps and wall time over (``resume``)."""
 
   def __init__(self, tokens_per_step: int):
     self.tps_unit = tokens_per_step
@@ -165,6 +169,25 @@ class Meter:
     self.compile_s = None
     self.last_t, self.last_step = None, None
     self.train_s, self.timed_steps = 0.0, 0
+    self.prior_wall_s = 0.0
+
+  def resume(self, rows: list[dict]) -> None:
+    """Counts the kept metrics rows of the run's earlier pieces (one cell's, in step order):
+    each row's interval since the previous row at its ``tokens_per_s``, and the wall time up
+    to the last row (``wall_s``; rows written before it existed add none)."""
+    prev = None
+    for row in rows:
+      tps = row.get("tokens_per_s")
+      if prev is not None and tps is not None and tps == tps and tps > 0:
+        n = row["step"] - prev
+        self.timed_steps += n
+        self.train_s += n * self.tps_unit / tps
+      prev = row["step"]
+    self.prior_wall_s = float(rows[-1].get("wall_s") or 0.0) if rows else 0.0
+
+  def wall(self) -> float:
+    """Wall time of the run so far: this process's and its earlier pieces'."""
+    return self.prior_wall_s + time.time() - self.t0
 
   def first_step_done(self, step: int) -> None:
     self.compile_s = time.time() - self.t0
@@ -193,11 +216,11 @@ class Meter:
     return self.timed_steps * self.tps_unit / self.train_s if self.train_s > 0 else float("nan")
 
 
-def step_row(step: int, last: dict, tokens: int, tokens_per_s: float) -> dict:
+def step_row(step: int, last: dict, tokens: int, tokens_per_s: float, wall_s: float) -> dict:
   """One metrics.jsonl row from the host copy of a step's metrics (``last``: name -> scalar);
-  the skip counters as integers."""
+  the skip counters as integers; ``wall_s``: the run's wall time so far."""
   row = {"step": step, **{k: float(v) for k, v in last.items()}, "tokens": tokens,
-         "tokens_per_s": tokens_per_s}
+         "tokens_per_s": tokens_per_s, "wall_s": wall_s}
   row["skipped"], row["consec"] = int(row["skipped"]), int(row["consec"])
   return row
 

@@ -61,7 +61,7 @@ def _one_line_error(rc, err, *words):
 
 
 def _strip(rows):
-  return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in rows]
+  return [{k: v for k, v in r.items() if k not in metrics.TIMING} for r in rows]
 
 
 def _biggest_file(step_dir):

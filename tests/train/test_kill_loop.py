@@ -39,7 +39,7 @@ def _final_params(run):
 
 
 def _strip(rows):
-  return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in rows]
+  return [{k: v for k, v in r.items() if k not in metrics.TIMING} for r in rows]
 
 
 def _kill_loop(reference, tmp_path, kills: int, seed: int):

@@ -54,7 +54,7 @@ def _rows(path):
 
 
 def _strip(rows):
-  return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in rows]
+  return [{k: v for k, v in r.items() if k not in metrics.TIMING} for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +82,16 @@ def test_resume_is_bitwise_equal(reference_run, tmp_path):
       shutil.rmtree(run / "checkpoints" / str(st))
   summary = loop.train(C.load_config(cfg_path), run, resume=True)
   assert summary["resumed_from"] == 8
-  a, b = _strip(_rows(ref)), _strip(_rows(run))
+  rows = _rows(run)
+  a, b = _strip(_rows(ref)), _strip(rows)
   assert [r["step"] for r in b] == list(range(1, 25))
   assert a == b  # every logged float identical, eval losses included
+  # throughput and wall time are the whole run's: both pieces' rows
+  timed = [(r["tokens"] - q["tokens"], r["tokens_per_s"]) for q, r in zip(rows, rows[1:])
+           if r["tokens_per_s"] is not None]
+  assert summary["tokens_per_s"] == pytest.approx(sum(t for t, _ in timed)
+                                                  / sum(t / v for t, v in timed), rel=1e-9)
+  assert summary["wall_time_s"] > rows[7]["wall_s"] > 0
 
 
 def _run_until(cmd, env, run, step, sig):

@@ -18,3 +18,16 @@ def test_metrics_log_truncates_on_resume(tmp_path):
   assert [r["loss"] for r in M.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 40]
   M.write_summary(tmp_path, {"x": float("nan"), "y": 1})
   assert json.loads((tmp_path / "summary.json").read_text()) == {"x": None, "y": 1}
+
+
+def test_meter_resume_counts_the_earlier_pieces():
+  """A resumed run's tokens/s is over every timed interval of the run (each row's steps since
+  the previous row at its rate; a first interval has none), its wall time continues."""
+  rows = [{"step": 1, "tokens_per_s": None}, {"step": 10, "tokens_per_s": 1000.0},
+          {"step": 20, "tokens_per_s": 500.0}, {"step": 25, "tokens_per_s": 250.0,
+                                                "wall_s": 7.0}]
+  m = M.Meter(100)
+  m.resume(rows)
+  assert m.timed_steps == 24
+  assert abs(m.overall() - 2400 / (0.9 + 2.0 + 2.0)) < 1e-9
+  assert 7.0 <= m.wall() < 8.0
