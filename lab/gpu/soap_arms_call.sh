@@ -2,10 +2,11 @@
 # The bc_paper_gpt2 study's SOAP arms on one GPU (docs/results.md, "Table 2 in the paper's
 # regime"), in back-to-back device calls of one session:
 #   [ARM=soap|soap_bc] OUT=$OUT bash lab/gpu/soap_arms_call.sh MINUTES
-# The first call on a fresh machine picks the arm: ARM if given, else the one arm not yet in
+# The first call on a fresh machine picks the arm (ARM, if given, overrides an earlier pick):
+# ARM, else the one arm not yet in
 # docs/studies/bc_paper_gpt2/cells.jsonl, else (neither finished) it builds the corpus and,
 # beside it, times AdamW's and SOAP-BC's step (`soap_gpu_check.sh`, 12 steps each:
-# $OUT/lane0.log, summary.txt) and takes soap_bc when its median step runs at least
+# $OUT/lane0.log, summary.txt; on GPU 0) and takes soap_bc when its (lower) median step runs at least
 # SOAP_BC_MIN tokens/s (default 270000: 500 steps in about 16 minutes), else soap. Later calls
 # on the same warm machine continue that arm (runs/soap_arm) through bc_paper_gpt2_call.sh,
 # which builds the corpus if needed and resumes a cell from its last checkpoint.
@@ -17,7 +18,7 @@ start=$(date +%s)
 out=${OUT:-/tmp/soap_arms}
 mkdir -p runs "$out"
 done_arm() { grep -q "\"arm\": *\"$1\"" docs/studies/bc_paper_gpt2/cells.jsonl; }
-if [ ! -f runs/soap_arm ] && [ -n "${ARM:-}" ]; then
+if [ -n "${ARM:-}" ]; then
   [[ $ARM =~ ^(soap|soap_bc)$ ]] || { echo "ARM=$ARM is not soap or soap_bc" >&2; exit 2; }
   echo "$ARM" > runs/soap_arm
 elif [ ! -f runs/soap_arm ] && done_arm soap_bc; then
@@ -30,10 +31,12 @@ if [ ! -f runs/soap_arm ]; then
     nice python scripts/offline_corpus.py --out runs/corpus --val-fraction 0.04 \
       > "$out/corpus.log" 2>&1 &
   fi
-  RUNS="adamw_control soap_bc" STEPS=12 OUT="$out" bash lab/gpu/soap_gpu_check.sh 240 > /dev/null 2>&1
+  rm -f "$out"/lane*.log  # the check appends to its logs
+  CUDA_VISIBLE_DEVICES=0 RUNS="adamw_control soap_bc" STEPS=12 OUT="$out" \
+    bash lab/gpu/soap_gpu_check.sh 240 > /dev/null 2>&1
   wait
   [ -f runs/corpus/manifest.json ] || { tail -20 "$out/corpus.log"; exit 1; }
-  # median tokens/s of SOAP-BC's steps 2-12 without step 11 (its first QR refresh)
+  # lower median tokens/s of SOAP-BC's steps 2-12 without step 11 (its first QR refresh)
   rate=$(sed -n '/^== soap_bc /,$p' "$out/lane0.log" | awk '$1 == "step" {
       split($2, s, "/"); if (s[1] < 2 || s[1] == 11) next
       for (i = 3; i < NF; i++) if ($i == "tok/s") { v = $(i + 1); gsub(",", "", v); print v } }' \
@@ -43,5 +46,5 @@ if [ ! -f runs/soap_arm ]; then
   echo "$arm" > runs/soap_arm
   echo "soap_bc median $rate tokens/s: running the $arm arm" | tee -a "$out/summary.txt"
 fi
-left=$(awk "BEGIN{print ($minutes * 60 - ($(date +%s) - $start)) / 60}")
+left=$(awk "BEGIN{l = ($minutes * 60 - ($(date +%s) - $start)) / 60; printf \"%.2f\", (l > 0 ? l : 0)}")
 SCALEOPT_CELLS="$(cat runs/soap_arm)/*" OUT="$out" bash lab/gpu/bc_paper_gpt2_call.sh "$left"

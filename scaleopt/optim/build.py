@@ -25,9 +25,8 @@ Config: a plain dict or an ``OptimizerConfig``. Keys: ``name``, ``learning_rate`
 (None = the optimizer's own default) and ``extra``: the optimizer's own hyperparameters, the
 fields of its registered config class (keyword arguments of its alias: ``adamw_bc``,
 ``sophia``, ``shampoo``, ...); an unknown one is an error naming it and the allowed keys. The bias-corrected names
-also take the collector's microbatching options ``loo_passes``, ``vmap_microbatches`` and
-``loo_storage``
-(``COLLECTOR_KEYS``), which ``build`` puts into the chain as ``collector_options``.
+also take the collector's microbatching options ``loo_passes``, ``vmap_microbatches``,
+``loo_storage`` and ``loo_fold_chunk`` (``COLLECTOR_KEYS``), which ``build`` puts into the chain as ``collector_options``.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ from scaleopt.optim.schedules import ScheduleConfig, make_schedule
 PyTree = Any
 Factory = Callable[..., optax.GradientTransformation]
 # ``extra`` keys of the bias-corrected names that go to ``collector_options``, not the alias
-COLLECTOR_KEYS = ("loo_passes", "vmap_microbatches", "loo_storage")
+COLLECTOR_KEYS = ("loo_passes", "vmap_microbatches", "loo_storage", "loo_fold_chunk")
 
 
 class Registered(NamedTuple):

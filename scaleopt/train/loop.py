@@ -671,7 +671,7 @@ def _log(cfg, cells: Cells, res: Outcome, state, fetched: list, meter, is_eval: 
   n, done = cells.n, res.done
   tps = meter.interval(done)  # of all cells together
   res.last_losses = np.asarray([np.reshape(f["loss"], (n,)) for f in fetched], np.float64)
-  rows = [metrics.step_row(done, m, done * meter.tps_unit // n, tps / n, meter.wall() / n)
+  rows = [metrics.step_row(done, m, done * meter.tps_unit // n, tps / n, meter, n)
           for m in _per_cell(fetched[-1], n)]
   if is_eval:
     res.eval_loss = cells.evaluate(state)

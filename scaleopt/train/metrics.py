@@ -155,7 +155,8 @@ def _clean(v):
   return v
 
 
-TIMING = ("tokens_per_s", "mfu", "wall_s")  # the metrics rows' keys that time the run
+# the metrics rows' keys that time the run
+TIMING = ("tokens_per_s", "mfu", "wall_s", "train_s", "timed_steps")
 
 
 class Meter:
@@ -172,18 +173,12 @@ class Meter:
     self.prior_wall_s = 0.0
 
   def resume(self, rows: list[dict]) -> None:
-    """Counts the kept metrics rows of the run's earlier pieces (one cell's, in step order):
-    each row's interval since the previous row at its ``tokens_per_s``, and the wall time up
-    to the last row (``wall_s``; rows written before it existed add none)."""
-    prev = None
-    for row in rows:
-      tps = row.get("tokens_per_s")
-      if prev is not None and tps is not None and tps == tps and tps > 0:
-        n = row["step"] - prev
-        self.timed_steps += n
-        self.train_s += n * self.tps_unit / tps
-      prev = row["step"]
-    self.prior_wall_s = float(rows[-1].get("wall_s") or 0.0) if rows else 0.0
+    """Continues from the last kept metrics row of the run's earlier pieces: its cumulative
+    ``timed_steps``, ``train_s`` and ``wall_s`` (rows written before they existed add none)."""
+    last = rows[-1] if rows else {}
+    self.timed_steps = int(last.get("timed_steps") or 0)
+    self.train_s = float(last.get("train_s") or 0.0)
+    self.prior_wall_s = float(last.get("wall_s") or 0.0)
 
   def wall(self) -> float:
     """Wall time of the run so far: this process's and its earlier pieces'."""
@@ -216,11 +211,14 @@ class Meter:
     return self.timed_steps * self.tps_unit / self.train_s if self.train_s > 0 else float("nan")
 
 
-def step_row(step: int, last: dict, tokens: int, tokens_per_s: float, wall_s: float) -> dict:
+def step_row(step: int, last: dict, tokens: int, tokens_per_s: float, meter: Meter,
+             cells: int = 1) -> dict:
   """One metrics.jsonl row from the host copy of a step's metrics (``last``: name -> scalar);
-  the skip counters as integers; ``wall_s``: the run's wall time so far."""
+  the skip counters as integers; the meter's cumulative timing (``wall_s``: a cell's share
+  of the wall time when ``cells`` train in one program)."""
   row = {"step": step, **{k: float(v) for k, v in last.items()}, "tokens": tokens,
-         "tokens_per_s": tokens_per_s, "wall_s": wall_s}
+         "tokens_per_s": tokens_per_s, "wall_s": meter.wall() / cells,
+         "train_s": meter.train_s, "timed_steps": meter.timed_steps}
   row["skipped"], row["consec"] = int(row["skipped"]), int(row["consec"])
   return row
 

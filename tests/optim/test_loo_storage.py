@@ -140,14 +140,45 @@ def test_bfloat16_storage_halves_the_stored_bytes():
   assert 0.45 * extra <= bf16 - two <= 0.6 * extra, (two, bf16, extra)
 
 
+@pytest.mark.parametrize("storage", ["float32", "bfloat16"])
+def test_folds_in_blocks_equal_one_fold_at_a_time(storage):
+  """``loo_fold_chunk`` k: the folds' scan takes k stored gradients per step (m / k steps) and
+  the statistics and parameters equal one fold per step per coordinate, up to float32
+  rounding of the reordered sums (and, in float32 storage, the two-pass form's)."""
+  ref, p_ref = stats_of(dict(loo_passes=2) if storage == "float32" else
+                        dict(loo_storage=storage))
+  for k in (2, 4):
+    got, p_got = stats_of(dict(loo_storage=storage, loo_fold_chunk=k))
+    for r, g in zip(ref, got):
+      for x, y in zip(leaves((g.loo, g.numerator)), leaves((r.loo, r.numerator))):
+        np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-7 * np.abs(y).max())
+    for x, y in zip(leaves(p_got), leaves(p_ref)):
+      np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8)
+  params, mbs, loss = mlp()
+  tx = optax.chain(so.collector_options(loo_fold_chunk=4), so.adamw_bc(1e-3))
+  jaxpr = jax.make_jaxpr(lambda p, s: so.collect(loss, p, mbs, s))(params, tx.init(params))
+  lengths = [e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"]
+  assert lengths == [M, M // 4], lengths  # the gradients' scan, then the folds' in blocks
+
+
 @pytest.mark.parametrize("extra,match", [
     (dict(loo_storage="float16"), "loo_storage='float16'"),
     (dict(loo_storage="bfloat16", loo_passes=2), "loo_passes=2 stores none"),
     (dict(loo_storage="bfloat16", crossfit="ab"), "leave-one-out layout"),
+    (dict(loo_fold_chunk=0), "loo_fold_chunk=0 must be an integer >= 1"),
+    (dict(loo_fold_chunk=4, loo_passes=2), "loo_passes=2 stores none"),
+    (dict(loo_fold_chunk=4, crossfit="ab"), "leave-one-out layout"),
 ])
 def test_bad_storage_options_are_one_line_errors(extra, match):
   with pytest.raises(ValueError, match=match):
     so.build({"name": "adamw_bc", "learning_rate": 1e-3, "extra": extra})
+
+
+def test_a_fold_block_that_does_not_divide_m_is_a_clear_error():
+  params, mbs, loss = mlp()
+  tx = optax.chain(so.collector_options(loo_fold_chunk=3), so.adamw_bc(1e-3))
+  with pytest.raises(ValueError, match=f"loo_fold_chunk=3 must divide the step's m={M}"):
+    so.collect(loss, params, mbs, tx.init(params))
 
 
 _SHARDED = r"""

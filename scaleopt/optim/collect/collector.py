@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 
 from scaleopt.optim.collect.clip import clip_factor, scale_group
-from scaleopt.optim.collect.microbatch import (MicrobatchAxis, _AXIS, _f32, _one_slice, _spreads,
-                                               _vmap, _zeros_like_out, fold_microbatches, halves,
-                                               num_microbatches, scan_group, sum0,
-                                               value_and_grad_fn)
+from scaleopt.optim.collect.microbatch import (MicrobatchAxis, _AXIS, _f32, _one_slice,
+                                               _split_axis, _spreads, _vmap, _zeros_like_out,
+                                               fold_microbatches, halves, num_microbatches,
+                                               scan_group, sum0, value_and_grad_fn)
 from scaleopt.optim.collect.spec import (CollectorSpec, Found, _ESTIMATORS, _STATE_HOOKS, _merge,
                                          find_bc_states)
 from scaleopt.optim.collect.stats import (BCStats, LOOStats, LossFn, PyTree, welford_add,
@@ -51,16 +51,25 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
     terms, d = fold(jax.tree.map(lambda x: c * x, _f32(_one_slice(g_r))))
     return jax.tree.map(jnp.add, t, terms), welford_add(w, d)
 
-  def reduce(carry, g_rs):  # the folds of microbatches split over devices: sums, no scan
-    t, w = carry
-    terms, d = _vmap(lambda g_r: fold(jax.tree.map(lambda x: c * x, _f32(_one_slice(g_r)))),
-                     m)(g_rs)
-    return jax.tree.map(jnp.add, t, sum0(terms)), welford_merge(w, welford_of(d))
+  def block(vmap):  # the folds of a block of microbatches at once: their sums and variance
+    def add(carry, g_rs):
+      t, w = carry
+      terms, d = vmap(lambda g_r: fold(jax.tree.map(lambda x: c * x, _f32(_one_slice(g_r)))))(
+          g_rs)
+      return jax.tree.map(jnp.add, t, sum0(terms)), welford_merge(w, welford_of(d))
+    return add
 
-  # stored gradients already in slices: the plain scan folds them where they are
-  (t, w), _ = fold_microbatches(grad_of, step, (terms0, welford_init(d0)),
-                                g_all[0] if one else mbs,
-                                vmap=one and spec.vmap and not _spreads(m), reduce=reduce)
+  carry0 = (terms0, welford_init(d0))
+  k = spec.loo_fold_chunk or 1
+  if one and k > 1 and _split_axis(m) is None:
+    if m % k:
+      raise ValueError(f"loo_fold_chunk={k} must divide the step's m={m} microbatches")
+    blocks = jax.tree.map(lambda x: x.reshape(m // k, k, *x.shape[1:]), g_all[0])
+    (t, w), _ = jax.lax.scan(lambda cw, g_rs: (block(jax.vmap)(cw, g_rs), None), carry0, blocks)
+  else:  # stored gradients already in slices: the plain scan folds them where they are
+    (t, w), _ = fold_microbatches(grad_of, step, carry0, g_all[0] if one else mbs,
+                                  vmap=one and spec.vmap and not _spreads(m),
+                                  reduce=block(lambda f: _vmap(f, m)))
   loo = LOOStats(mean=jax.tree.map(lambda s: s / m, t),
                  var=jax.tree.map(lambda s: jnp.maximum(s / (m - 1), 0.0), w.m2), count=m)
   return BCStats(g_full, g_full, None, None, loo, loss, aux, c)

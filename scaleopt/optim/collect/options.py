@@ -21,7 +21,8 @@ register_bc_state(CollectorOptionsState)
 
 def collector_options(*, loo_passes: Optional[int] = None,
                       vmap_microbatches: Optional[bool] = None,
-                      loo_storage: Optional[str] = None
+                      loo_storage: Optional[str] = None,
+                      loo_fold_chunk: Optional[int] = None
                       ) -> optax.GradientTransformationExtraArgs:
   """How ``collect`` computes the per-microbatch gradients (an identity transform whose state
   carries the choice; chain it with a bias-corrected optimizer).
@@ -36,11 +37,16 @@ def collector_options(*, loo_passes: Optional[int] = None,
     loo_storage: dtype of the gradients one-pass LOO stores: ``"float32"`` (default; the
       statistics equal the two-pass form's) or ``"bfloat16"`` (half the memory; each stored
       g_r is rounded to bfloat16, relative error <= 2^-8, before the float32 folds).
+    loo_fold_chunk: one-pass LOO reads this many stored gradients per step of its scan over
+      the folds (a ``vmap``; it must divide m): the running sums and variance are read and
+      written m / loo_fold_chunk times instead of m, at the memory of that many folds'
+      terms. The statistics are the same up to float32 rounding (the sums' order changes).
+      Default 1.
 
   None leaves a setting to the default (or to another element of the chain).
   """
   spec = CollectorSpec(layout=None, loo_passes=loo_passes, vmap_microbatches=vmap_microbatches,
-                       loo_storage=loo_storage)
+                       loo_storage=loo_storage, loo_fold_chunk=loo_fold_chunk)
 
   def init_fn(params):
     del params

@@ -40,6 +40,9 @@ class CollectorSpec:
       ``lax.scan`` (None: no preference, scan).
     loo_storage: dtype of the m gradients one-pass LOO stores, ``"float32"`` or
       ``"bfloat16"`` (None: no preference, float32); the folds compute in float32.
+    loo_fold_chunk: one-pass LOO folds this many stored gradients at once (a ``vmap``
+      inside the scan over the folds, the block's sums and variance merged into the running
+      ones); must divide m (None: no preference, 1: one fold per scan step).
   """
   layout: Optional[str] = "all"
   var_of: Optional[str] = None
@@ -54,6 +57,7 @@ class CollectorSpec:
   loo_passes: Optional[int] = None
   vmap_microbatches: Optional[bool] = None
   loo_storage: Optional[str] = None
+  loo_fold_chunk: Optional[int] = None
 
   def __post_init__(self):
     for name, allowed in (("layout", LAYOUTS + (None,)), ("var_of", VAR_OF), ("clip", CLIPS)):
@@ -64,6 +68,9 @@ class CollectorSpec:
     if self.loo_storage not in LOO_STORAGE:
       raise ValueError(f"loo_storage={self.loo_storage!r} must be 'float32' or 'bfloat16' "
                        "(None: no preference)")
+    c = self.loo_fold_chunk
+    if c is not None and (type(c) is not int or c < 1):
+      raise ValueError(f"loo_fold_chunk={c!r} must be an integer >= 1 (None: no preference)")
     if not isinstance(self.vmap_microbatches, (bool, type(None))):
       raise ValueError(f"vmap_microbatches={self.vmap_microbatches!r} must be a bool "
                        "(None: no preference)")
@@ -186,7 +193,7 @@ def _merge(found: list[Found]) -> CollectorSpec:
   pick = lambda name, skip: {getattr(s, name) for s in specs} - {skip}
   for name, skip in (("layout", None), ("var_of", None), ("estimator", None), ("clip", "none"),
                      ("loo_passes", None), ("vmap_microbatches", None),
-                     ("loo_storage", None)):
+                     ("loo_storage", None), ("loo_fold_chunk", None)):
     vals = pick(name, skip)
     if len(vals) > 1:
       raise ValueError(f"the optimizer chain holds bias-corrected transforms that need different "
@@ -203,16 +210,21 @@ def _merge(found: list[Found]) -> CollectorSpec:
                             stateful=any(s.stateful for s in specs),
                             loo_passes=one("loo_passes", None, None),
                             vmap_microbatches=one("vmap_microbatches", None, None),
-                            loo_storage=one("loo_storage", None, None))
+                            loo_storage=one("loo_storage", None, None),
+                            loo_fold_chunk=one("loo_fold_chunk", None, None))
   if out.loo_passes is not None and layout != "loo":
     raise ValueError(f"loo_passes={out.loo_passes} applies to the leave-one-out layout; this "
                      f"chain's layout is {layout!r}")
-  if out.loo_storage is not None and layout != "loo":
-    raise ValueError(f"loo_storage={out.loo_storage!r} applies to the leave-one-out layout; "
-                     f"this chain's layout is {layout!r}")
   if out.loo_storage is not None and not out.loo_one_pass:
     raise ValueError(f"loo_storage={out.loo_storage!r} sets how one-pass LOO stores the "
                      "microbatch gradients; loo_passes=2 stores none")
+  for name in ("loo_storage", "loo_fold_chunk"):
+    if getattr(out, name) is not None and layout != "loo":
+      raise ValueError(f"{name}={getattr(out, name)!r} applies to the leave-one-out layout; "
+                       f"this chain's layout is {layout!r}")
+  if out.loo_fold_chunk is not None and not out.loo_one_pass:
+    raise ValueError(f"loo_fold_chunk={out.loo_fold_chunk} folds the stored microbatch "
+                     "gradients; loo_passes=2 stores none")
   if out.loo_passes == 2 and out.vmap:
     raise ValueError("vmap_microbatches=True stores every microbatch gradient, so the "
                      "leave-one-out folds run on the stored gradients: use loo_passes=1 (or "
