@@ -10,6 +10,8 @@
 # SOAP_BC_MIN tokens/s (default 270000: 500 steps in about 16 minutes), else soap. Later calls
 # on the same warm machine continue that arm (runs/soap_arm) through bc_paper_gpt2_call.sh,
 # which builds the corpus if needed and resumes a cell from its last checkpoint.
+# PRE="command" (optional) runs once per machine on GPU 0 before the cells, beside the corpus
+# build, for at most PRE_SECONDS (default 300); its output goes to $OUT/pre.log.
 set -uo pipefail
 export PYTHONPATH=.
 minutes=${1:-9.5}
@@ -45,6 +47,16 @@ if [ ! -f runs/soap_arm ]; then
   [ "${rate%.*}" -ge "${SOAP_BC_MIN:-270000}" ] && arm=soap_bc
   echo "$arm" > runs/soap_arm
   echo "soap_bc median $rate tokens/s: running the $arm arm" | tee -a "$out/summary.txt"
+fi
+if [ -n "${PRE:-}" ] && [ ! -f runs/pre_done ]; then
+  if [ ! -f runs/corpus/manifest.json ]; then
+    nice python scripts/offline_corpus.py --out runs/corpus --val-fraction 0.04 \
+      > "$out/corpus.log" 2>&1 &
+  fi
+  CUDA_VISIBLE_DEVICES=0 timeout -k 20 "${PRE_SECONDS:-300}" bash -c "$PRE" > "$out/pre.log" 2>&1
+  echo "PRE: exit $?" >> "$out/pre.log"
+  wait
+  touch runs/pre_done
 fi
 left=$(awk "BEGIN{l = ($minutes * 60 - ($(date +%s) - $start)) / 60; printf \"%.2f\", (l > 0 ? l : 0)}")
 SCALEOPT_CELLS="$(cat runs/soap_arm)/*" OUT="$out" bash lab/gpu/bc_paper_gpt2_call.sh "$left"
