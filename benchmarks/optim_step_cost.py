@@ -64,6 +64,10 @@ CONFIGS = {
     # Shampoo's blocks of 512: eigh / QR of 512 x 512 blocks instead of up to 3072 x 3072
     "soap_b512": dict(name="soap", extra=dict(block_size=512)),
     "soap_bc": dict(name="soap_bc"),
+    # cross-fitting alone (no Jensen term), and AdamW's leave-one-out forms beside them
+    "soap_bc_cf": dict(name="soap_bc", extra=dict(mode="cf")),
+    "adamw_bc": dict(name="adamw_bc", extra=dict(mode="full", crossfit="loo")),
+    "adamw_bc_cf": dict(name="adamw_bc", extra=dict(mode="cf", crossfit="loo")),
 }
 
 
@@ -211,12 +215,13 @@ def main():
              else f"compile + step 0 {r['first_step_s']:.0f} s"),
           flush=True)
   base = next((x["mean_ms"] for x in results if x["name"] == "adamw"), None)
-  print("\n| optimizer | amortized ms/step | vs adamw | root/refresh step ms | other steps ms |")
-  print("|---|---|---|---|---|")
+  print("\n| optimizer | amortized ms/step | vs adamw | root/refresh step ms | other steps ms | "
+        "last step's loss |")
+  print("|---|---|---|---|---|---|")
   for r in results:
     rel = f"{r['mean_ms'] / base:.2f}x" if base else "-"
     print(f"| {r['name']} | {r['mean_ms']:.1f} | {rel} | {r['root_ms']:.1f} | "
-          f"{r['other_ms']:.1f} |")
+          f"{r['other_ms']:.1f} | {r['loss']:.3f} |")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(device=dev.device_kind, results=results), f, indent=1)

@@ -194,14 +194,17 @@ def _direction(g, m, v, f, blk, c, hp, form):
   bc1, bc2 = 1 - hp["b1"] ** c, 1 - hp["b2"] ** c
   x = jnp.square(_fwd(form[1] if form[0] == "ab" else g, f, blk, prec))
   v = hp["b2"] * v + (1 - hp["b2"]) * x
+  std = lambda: (_fwd(m, f, blk, prec) / bc1) / (jnp.sqrt(v / bc2) + _eps_hat(hp["eps"], bc2))
   if form[0] == "loo":
     _, first, third, var = form
     u = first
     if hp["correct"]:
       u = first - hp["correction_scale"] * var * third
       u = jnp.where(jnp.sign(u) != jnp.sign(first), 0.0, u)
+    if hp["std_warmup_steps"]:  # SOAP's own update on calls 1..K
+      u = jnp.where(c <= hp["std_warmup_steps"], std(), u)
   else:
-    u = (_fwd(m, f, blk, prec) / bc1) / (jnp.sqrt(v / bc2) + _eps_hat(hp["eps"], bc2))
+    u = std()
   if f is not None:
     u = from_blocks(_rot(u, f, True, prec), g.shape, blk)
   return u, m, v
@@ -296,6 +299,7 @@ def scale_by_soap(
     mode: str = "std",
     crossfit: str = "loo",
     correction_scale: float = 1.0,
+    std_warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """SOAP's scaling (module docstring); learning rate and weight decay come after it (``soap``).
 
@@ -323,6 +327,9 @@ def scale_by_soap(
     crossfit: ``loo`` (leave-one-out folds; m, v from the full batch) or ``ab`` (m from group
       A, v from group B's rotated mean; ``cf`` only).
     correction_scale: multiplies the subtracted Var_r(d_r) m_hat_r / d_r^3 term (``full``).
+    std_warmup_steps: K > 0 takes SOAP's own update (the full batch's) on the first K updates
+      (calls 1..K; call 0 only builds the basis) of a ``cf``/``full`` LOO form, while v
+      accumulates; the folds' statistics are still collected on those steps.
   """
   check_choice("matmul_precision", matmul_precision, PRECISIONS)
   check_choice("mode", mode, MODES)
@@ -335,9 +342,12 @@ def scale_by_soap(
                   ("block_size", 1 if block_size is None else block_size)):
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
       raise ValueError(f"{name}={v!r} must be an integer >= 1")
+  w = std_warmup_steps
+  if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+    raise ValueError(f"std_warmup_steps={w!r} must be an integer >= 0")
   sb = b2 if shampoo_beta is None else shampoo_beta
   hp = dict(b1=b1, b2=b2, eps=eps, precision=matmul_precision, correct=mode == "full",
-            correction_scale=correction_scale)
+            correction_scale=correction_scale, std_warmup_steps=std_warmup_steps)
   spec = _collector_spec(mode, crossfit)
   hp_arrays = lambda: {k: jnp.asarray(hp[k], jnp.float32) for k in ("b1", "b2", "eps")}
   plan_of = functools.partial(_plan, exclude=exclude, max_dim=max_precond_dim,

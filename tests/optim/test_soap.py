@@ -149,6 +149,8 @@ def test_soap_bad_option_names_it():
     optim.build({"name": "soap", "extra": {"precondition_frequency": 0}})
   with pytest.raises(ValueError, match=r"optimizer.extra.max_dim"):
     optim.build({"name": "soap", "extra": {"max_dim": 3}})
+  with pytest.raises(ValueError, match="std_warmup_steps=-1 must be an integer >= 0"):
+    optim.build({"name": "soap_bc", "extra": {"std_warmup_steps": -1}})
 
 
 # ---------------------------------------------------------------------------------------
@@ -311,3 +313,28 @@ def test_soap_bc_folds_rotate_only_their_own_gradient():
   g = jnp.ones((6, 4, 3))
   jaxpr = jax.make_jaxpr(lambda p, g, s: optim.collect(_linear_loss, p, g, s))(params, g, st)
   assert _dots_in_scans(jaxpr.jaxpr)[1:] == [0, 2]  # the gradients' scan, the folds' scan
+
+
+def test_soap_bc_std_warmup_takes_soaps_update_on_the_first_k_calls():
+  """std_warmup_steps=K: calls 0..K give SOAP's own updates (call 0 only builds the basis),
+  call K+1 the LOO form's; per coordinate, on one stream of microbatch gradients (the state
+  does not depend on which update was taken)."""
+  k, m = 2, 4
+  g = np.random.default_rng(3).normal(size=(k + 2, m, 5, 4)) + 0.5
+  params = {"w": jnp.zeros((5, 4))}
+
+  def updates(tx):
+    st, out = tx.init(params), []
+    for gs in g:
+      stats = optim.collect(_linear_loss, params, jnp.asarray(gs, jnp.float32), st)
+      u, st = tx.update(stats.numerator, st, params, bc_stats=stats)
+      out.append(np.asarray(u["w"]))
+    return out
+
+  kw = dict(precondition_frequency=2, weight_decay=0.0)
+  warm = updates(optim.soap_bc(1.0, std_warmup_steps=k, **kw))
+  soap, bc = updates(optim.soap(1.0, **kw)), updates(optim.soap_bc(1.0, **kw))
+  for c in range(k + 1):
+    np.testing.assert_allclose(warm[c], soap[c], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(warm[k + 1], bc[k + 1], rtol=1e-6, atol=1e-7)
+  assert np.abs(warm[k + 1] - soap[k + 1]).max() > 1e-3 * np.abs(soap[k + 1]).max()
