@@ -1,6 +1,7 @@
 """Loss and update norm of the first steps of SOAP, SOAP-BC and AdamW-BC on the CPU stand-in
 of benchmarks/optim_step_cost.py --quick (vocabulary 512, d 64, 2 layers, one fixed batch of 4
-microbatches x 2 x 64 tokens, lr 1e-4 constant, 30 steps), per step "loss/|update|":
+microbatches x 2 x 64 tokens, lr 1e-4 constant, 30 steps), per step "loss/|update|", and
+the largest update norm of the 30 steps:
 
   PYTHONPATH=. python lab/cpu/soap_bc_first_steps.py soap soap_bc soap_bc_w1 soap_bc_w5 adamw_bc
 
@@ -41,11 +42,14 @@ def main(names):
       u, st = tx.update(s.numerator, st, p, bc_stats=s)
       return optax.apply_updates(p, u), st, s.loss, optax.global_norm(u)
 
-    p, st, out = params0, tx.init(params0), []
+    p, st, out, norms = params0, tx.init(params0), [], []
     for _ in range(30):
       p, st, loss, un = step(p, st)
       out.append(f"{float(loss):.2f}/{float(un):.1e}")
-    print(f"{name:12s} steps 0-5: {' '.join(out[:6])}  steps 28-29: {' '.join(out[-2:])}")
+      norms.append(float(un))
+    big = int(np.argmax(norms))
+    print(f"{name:12s} steps 0-5: {' '.join(out[:6])}  steps 28-29: {' '.join(out[-2:])}  "
+          f"largest update {norms[big]:.1e} at step {big}")
 
 
 if __name__ == "__main__":

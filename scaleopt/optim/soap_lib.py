@@ -283,6 +283,26 @@ def _forms(mode, crossfit, st: Optional[BCStats], td):
   return [("loo", *x) for x in zip(*lo)], None
 
 
+def _check_options(precision, mode, crossfit, std_warmup_steps, **positive):
+  """One-line errors for ``scale_by_soap``'s options (``positive``: integers >= 1)."""
+  check_choice("matmul_precision", precision, PRECISIONS)
+  check_choice("mode", mode, MODES)
+  check_choice("crossfit", crossfit, CROSSFITS)
+  if mode == "full" and crossfit == "ab":
+    raise ValueError("mode='full' with crossfit='ab' needs the variance of rotated group means, "
+                     "which the collector does not provide; use crossfit='loo' or mode='cf'")
+  for name, v in positive.items():
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+      raise ValueError(f"{name}={v!r} must be an integer >= 1")
+  w = std_warmup_steps
+  if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+    raise ValueError(f"std_warmup_steps={w!r} must be an integer >= 0")
+  if w and (mode == "std" or crossfit != "loo"):
+    raise ValueError(f"std_warmup_steps={w} applies to the leave-one-out forms (mode 'cf' or "
+                     f"'full' with crossfit 'loo'); this one is mode={mode!r}, "
+                     f"crossfit={crossfit!r}")
+
+
 def scale_by_soap(
     b1: float = 0.95,
     b2: float = 0.95,
@@ -329,22 +349,13 @@ def scale_by_soap(
     correction_scale: multiplies the subtracted Var_r(d_r) m_hat_r / d_r^3 term (``full``).
     std_warmup_steps: K > 0 takes SOAP's own update (the full batch's) on the first K updates
       (calls 1..K; call 0 only builds the basis) of a ``cf``/``full`` LOO form, while v
-      accumulates; the folds' statistics are still collected on those steps.
+      accumulates; the folds' statistics are still collected on those steps, and SOAP's
+      update is computed on every step (one more rotation of the momentum per step).
   """
-  check_choice("matmul_precision", matmul_precision, PRECISIONS)
-  check_choice("mode", mode, MODES)
-  check_choice("crossfit", crossfit, CROSSFITS)
-  if mode == "full" and crossfit == "ab":
-    raise ValueError("mode='full' with crossfit='ab' needs the variance of rotated group means, "
-                     "which the collector does not provide; use crossfit='loo' or mode='cf'")
-  for name, v in (("precondition_frequency", precondition_frequency),
-                  ("max_precond_dim", max_precond_dim), ("block_shards", block_shards),
-                  ("block_size", 1 if block_size is None else block_size)):
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-      raise ValueError(f"{name}={v!r} must be an integer >= 1")
-  w = std_warmup_steps
-  if not isinstance(w, int) or isinstance(w, bool) or w < 0:
-    raise ValueError(f"std_warmup_steps={w!r} must be an integer >= 0")
+  _check_options(matmul_precision, mode, crossfit, std_warmup_steps,
+                 precondition_frequency=precondition_frequency,
+                 max_precond_dim=max_precond_dim, block_shards=block_shards,
+                 block_size=1 if block_size is None else block_size)
   sb = b2 if shampoo_beta is None else shampoo_beta
   hp = dict(b1=b1, b2=b2, eps=eps, precision=matmul_precision, correct=mode == "full",
             correction_scale=correction_scale, std_warmup_steps=std_warmup_steps)

@@ -174,10 +174,17 @@ class Meter:
 
   def resume(self, rows: list[dict]) -> None:
     """Continues from the last kept metrics row of the run's earlier pieces: its cumulative
-    ``timed_steps``, ``train_s`` and ``wall_s`` (rows written before they existed add none)."""
+    ``timed_steps``, ``train_s`` and ``wall_s``. Rows written without them (older runs) give
+    their intervals instead: each row's steps since the previous row at its tokens/s."""
     last = rows[-1] if rows else {}
-    self.timed_steps = int(last.get("timed_steps") or 0)
-    self.train_s = float(last.get("train_s") or 0.0)
+    if "timed_steps" in last:
+      self.timed_steps, self.train_s = int(last["timed_steps"]), float(last["train_s"])
+    else:
+      for prev, row in zip(rows, rows[1:]):
+        tps = row.get("tokens_per_s")
+        if tps is not None and tps == tps and tps > 0:
+          self.timed_steps += row["step"] - prev["step"]
+          self.train_s += (row["step"] - prev["step"]) * self.tps_unit / tps
     self.prior_wall_s = float(last.get("wall_s") or 0.0)
 
   def wall(self) -> float:

@@ -10,6 +10,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from scaleopt import optim
@@ -151,6 +152,8 @@ def test_soap_bad_option_names_it():
     optim.build({"name": "soap", "extra": {"max_dim": 3}})
   with pytest.raises(ValueError, match="std_warmup_steps=-1 must be an integer >= 0"):
     optim.build({"name": "soap_bc", "extra": {"std_warmup_steps": -1}})
+  with pytest.raises(ValueError, match="std_warmup_steps=2 applies to the leave-one-out forms"):
+    optim.build({"name": "soap", "extra": {"std_warmup_steps": 2}})
 
 
 # ---------------------------------------------------------------------------------------
@@ -338,3 +341,25 @@ def test_soap_bc_std_warmup_takes_soaps_update_on_the_first_k_calls():
     np.testing.assert_allclose(warm[c], soap[c], rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(warm[k + 1], bc[k + 1], rtol=1e-6, atol=1e-7)
   assert np.abs(warm[k + 1] - soap[k + 1]).max() > 1e-3 * np.abs(soap[k + 1]).max()
+
+
+def test_soap_bc_fold_blocks_equal_one_fold_at_a_time():
+  """loo_fold_chunk with SOAP-BC (its folds' rotations batched over the block, a 1-D leaf
+  without a basis): the same updates per coordinate, up to float32 rounding."""
+  g = np.random.default_rng(5).normal(size=(3, 4, 5, 4)) + 0.5
+  params = {"w": jnp.zeros((5, 4)), "b": jnp.zeros((4,))}
+
+  def updates(**opts):
+    tx = optax.chain(optim.collector_options(**opts),
+                     optim.soap_bc(1.0, precondition_frequency=2, weight_decay=0.0))
+    st, out = tx.init(params), []
+    loss = lambda p, mb: (jnp.sum(p["w"] * mb) + jnp.sum(p["b"] * mb[0]), {})
+    for gs in g:
+      stats = optim.collect(loss, params, jnp.asarray(gs, jnp.float32), st)
+      u, st = tx.update(stats.numerator, st, params, bc_stats=stats)
+      out.append(jax.tree.map(np.asarray, u))
+    return out
+
+  for a, b in zip(updates(loo_fold_chunk=2), updates()):
+    for k in ("w", "b"):
+      np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6 * np.abs(b[k]).max())

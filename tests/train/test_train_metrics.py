@@ -43,3 +43,14 @@ def test_meter_resume_counts_the_earlier_pieces(monkeypatch):
   assert m2.timed_steps == 9 + 10 + 9
   assert abs(m2.overall() - 2800 / (0.9 + 2.0 + 3.0)) < 1e-9
   assert abs(m2.wall() - (5.0 + 2.9 + 7.0 + 3.0)) < 1e-9
+
+
+def test_meter_resume_from_rows_without_cumulative_timing():
+  """Rows of older runs (no timed_steps / train_s): each row's interval since the previous
+  row at its tokens/s (a first row has none)."""
+  rows = [{"step": 1, "tokens_per_s": None}, {"step": 10, "tokens_per_s": 1000.0},
+          {"step": 20, "tokens_per_s": 500.0}]
+  m = M.Meter(100)
+  m.resume(rows)
+  assert m.timed_steps == 19
+  assert abs(m.overall() - 1900 / (0.9 + 2.0)) < 1e-9

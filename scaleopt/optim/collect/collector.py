@@ -61,9 +61,9 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
 
   carry0 = (terms0, welford_init(d0))
   k = spec.loo_fold_chunk or 1
-  if one and k > 1 and _split_axis(m) is None:
-    if m % k:
-      raise ValueError(f"loo_fold_chunk={k} must divide the step's m={m} microbatches")
+  if m % k:
+    raise ValueError(f"loo_fold_chunk={k} must divide the step's m={m} microbatches")
+  if one and k > 1 and _split_axis(m) is None:  # split over devices: folded where they lie
     blocks = jax.tree.map(lambda x: x.reshape(m // k, k, *x.shape[1:]), g_all[0])
     (t, w), _ = jax.lax.scan(lambda cw, g_rs: (block(jax.vmap)(cw, g_rs), None), carry0, blocks)
   else:  # stored gradients already in slices: the plain scan folds them where they are

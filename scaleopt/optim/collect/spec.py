@@ -42,7 +42,8 @@ class CollectorSpec:
       ``"bfloat16"`` (None: no preference, float32); the folds compute in float32.
     loo_fold_chunk: one-pass LOO folds this many stored gradients at once (a ``vmap``
       inside the scan over the folds, the block's sums and variance merged into the running
-      ones); must divide m (None: no preference, 1: one fold per scan step).
+      ones); must divide m (None: no preference, 1: one fold per scan step). Microbatches
+      split over devices (``MicrobatchAxis``) are folded where they lie, without blocks.
   """
   layout: Optional[str] = "all"
   var_of: Optional[str] = None
