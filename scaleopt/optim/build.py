@@ -25,8 +25,9 @@ Config: a plain dict or an ``OptimizerConfig``. Keys: ``name``, ``learning_rate`
 (None = the optimizer's own default) and ``extra``: the optimizer's own hyperparameters, the
 fields of its registered config class (keyword arguments of its alias: ``adamw_bc``,
 ``sophia``, ``shampoo``, ...); an unknown one is an error naming it and the allowed keys.
-The bias-corrected names also take the collector's microbatching options ``loo_passes``, ``vmap_microbatches``,
-``loo_storage`` and ``loo_fold_chunk`` (``COLLECTOR_KEYS``), which ``build`` puts into the chain as ``collector_options``.
+The bias-corrected names also take the collector's microbatching options ``loo_passes``,
+``vmap_microbatches``, ``loo_storage`` and ``loo_fold_chunk`` (``COLLECTOR_KEYS``), which
+``build`` puts into the chain as ``collector_options``.
 """
 
 from __future__ import annotations
