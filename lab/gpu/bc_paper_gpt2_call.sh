@@ -57,4 +57,4 @@ scripts/study_workers.sh "$(awk "BEGIN{print $left / 60}")" runs \
 [ -z "$bench_pid" ] || wait "$bench_pid"  # the benchmark's log is whole when the call returns
 cp runs/bc_paper_gpt2/cells.jsonl "$out/" 2>/dev/null
 for f in runs/worker*.log; do tail -n 40 "$f" > "$out/$(basename "$f")"; done
-ls runs/bc_paper_gpt2/cells 2>/dev/null | head -20
+ls runs/bc_paper_gpt2/cells 2>/dev/null | head -20 || true  # none left once every cell is done

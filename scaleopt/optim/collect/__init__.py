@@ -30,14 +30,17 @@ Layouts (who is numerator, who is preconditioner):
 * ``symmetric``: the step's m microbatches in halves A and B, both with full statistics (same
   examples and compute as std).
 * ``loo``: leave-one-out; the BC states' fold functions run on every g_r given g_full; the
-  collector averages their terms and Welfords their denominators. One pass (the default,
+  collector averages their terms and takes the variance of their denominators (from sums of
+  their deviations from the denominator at g_full). One pass (the default,
   ``loo_passes=1``): the scan that accumulates g_full also stores every g_r (stacked,
   float32: m x params x 4 bytes more, ~4 GB for GPT-2 small at m = 8; ``loo_storage=
   "bfloat16"`` halves it; each stored g_r is sharded like its parameter, so FSDP over n
   devices divides it by n) and the folds scan over the stored gradients (no second
-  forward/backward). Two passes (``loo_passes=2``, for
+  forward/backward), in blocks of gcd(m, 8) folds (``loo_fold_chunk``). Two passes
+  (``loo_passes=2``, for
   memory): pass 1 computes g_full, pass 2 recomputes every g_r (memory independent of m).
-  Both give the same statistics (bit for bit on CPU).
+  Both give the same statistics (bit for bit on CPU with ``loo_fold_chunk=1``, to float32
+  rounding in blocks).
 
 Microbatch gradients (``vmap_microbatches``): by default every group is a ``lax.scan`` of one
 forward/backward per microbatch (memory of one microbatch). With ``vmap_microbatches=True`` a

@@ -3,6 +3,7 @@ docstring has the layouts, the clip and the one-pass leave-one-out)."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import jax
@@ -13,10 +14,9 @@ from scaleopt.optim.collect.microbatch import (MicrobatchAxis, _AXIS, _f32, _one
                                                _split_axis, _spreads, _vmap, _zeros_like_out,
                                                fold_microbatches, halves, num_microbatches,
                                                scan_group, sum0, value_and_grad_fn)
-from scaleopt.optim.collect.spec import (CollectorSpec, Found, _ESTIMATORS, _STATE_HOOKS, _merge,
-                                         find_bc_states)
-from scaleopt.optim.collect.stats import (BCStats, LOOStats, LossFn, PyTree, welford_add,
-                                          welford_init, welford_merge, welford_of)
+from scaleopt.optim.collect.spec import (FOLD_CHUNK, CollectorSpec, Found, _ESTIMATORS,
+                                         _STATE_HOOKS, _merge, find_bc_states)
+from scaleopt.optim.collect.stats import BCStats, LOOStats, LossFn, PyTree
 
 
 def _clip_of(found: list[Found], spec: CollectorSpec, kind: str = "consistent"):
@@ -43,35 +43,34 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
     outs = [fn(g_r) for fn in folds]
     return jax.tree.map(lambda *xs: sum(xs), *outs)
 
-  terms0, d0 = _zeros_like_out(fold, g_full)
-  grad_of = (lambda g: g) if one else (lambda mb: _f32(grad_fn(params, mb)[2]))
+  # the denominators' variance from sums of e_r = d_r - K, K the fold at g_full: the first-order
+  # parts of e_r cancel over r, so (sum e^2 - (sum e)^2 / m) loses nothing to cancellation, and
+  # every fold is three sums (a block of folds one reduction, its temporaries fused away)
+  _, shift = fold(g_full)
 
-  def step(carry, g_r):
-    t, w = carry
+  def sums(g_r):  # the fold terms, e_r and e_r^2 of one stored (or recomputed) g_r
     terms, d = fold(jax.tree.map(lambda x: c * x, _f32(_one_slice(g_r))))
-    return jax.tree.map(jnp.add, t, terms), welford_add(w, d)
+    e = jax.tree.map(jnp.subtract, d, shift)
+    return terms, e, jax.tree.map(jnp.square, e)
 
-  def block(vmap):  # the folds of a block of microbatches at once: their sums and variance
-    def add(carry, g_rs):
-      t, w = carry
-      terms, d = vmap(lambda g_r: fold(jax.tree.map(lambda x: c * x, _f32(_one_slice(g_r)))))(
-          g_rs)
-      return jax.tree.map(jnp.add, t, sum0(terms)), welford_merge(w, welford_of(d))
-    return add
-
-  carry0 = (terms0, welford_init(d0))
-  k = spec.loo_fold_chunk or 1
+  add = lambda t, u: jax.tree.map(jnp.add, t, u)
+  grad_of = (lambda g: g) if one else (lambda mb: _f32(grad_fn(params, mb)[2]))
+  step = lambda carry, g_r: add(carry, sums(g_r))
+  block = lambda vmap: lambda carry, g_rs: add(carry, sum0(vmap(sums)(g_rs)))
+  carry0 = _zeros_like_out(sums, g_full)
+  k = spec.loo_fold_chunk or math.gcd(m, FOLD_CHUNK)
   if m % k:
     raise ValueError(f"loo_fold_chunk={k} must divide the step's m={m} microbatches")
   if one and k > 1 and _split_axis(m) is None:  # split over devices: folded where they lie
     blocks = jax.tree.map(lambda x: x.reshape(m // k, k, *x.shape[1:]), g_all[0])
-    (t, w), _ = jax.lax.scan(lambda cw, g_rs: (block(jax.vmap)(cw, g_rs), None), carry0, blocks)
+    (t, s1, s2), _ = jax.lax.scan(lambda c_, g_rs: (block(jax.vmap)(c_, g_rs), None), carry0,
+                                  blocks)
   else:  # stored gradients already in slices: the plain scan folds them where they are
-    (t, w), _ = fold_microbatches(grad_of, step, carry0, g_all[0] if one else mbs,
-                                  vmap=one and spec.vmap and not _spreads(m),
-                                  reduce=block(lambda f: _vmap(f, m)))
-  loo = LOOStats(mean=jax.tree.map(lambda s: s / m, t),
-                 var=jax.tree.map(lambda s: jnp.maximum(s / (m - 1), 0.0), w.m2), count=m)
+    (t, s1, s2), _ = fold_microbatches(grad_of, step, carry0, g_all[0] if one else mbs,
+                                       vmap=one and spec.vmap and not _spreads(m),
+                                       reduce=block(lambda f: _vmap(f, m)))
+  var = lambda a, q: jnp.maximum((q - a * a / m) / (m - 1), 0.0)
+  loo = LOOStats(mean=jax.tree.map(lambda s: s / m, t), var=jax.tree.map(var, s1, s2), count=m)
   return BCStats(g_full, g_full, None, None, loo, loss, aux, c)
 
 

@@ -41,7 +41,8 @@ def collector_options(*, loo_passes: Optional[int] = None,
       the folds (a ``vmap``; it must divide m): the running sums and variance are read and
       written m / loo_fold_chunk times instead of m, at the memory of that many folds'
       terms. The statistics are the same up to float32 rounding (the sums' order changes).
-      Default 1. Vmapped microbatches split over devices are folded without blocks.
+      Default gcd(m, 8); 1 folds one stored gradient at a time (the least memory). Vmapped
+      microbatches split over devices are folded without blocks.
 
   None leaves a setting to the default (or to another element of the chain).
   """

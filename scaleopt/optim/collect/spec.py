@@ -18,6 +18,10 @@ VAR_OF = (None, "grad", "sq", "post_ema")
 CLIPS = ("none", "consistent", "numerator")
 LOO_PASSES = (None, 1, 2)
 LOO_STORAGE = (None, "float32", "bfloat16")
+# one-pass LOO's default fold block: gcd(m, 8) stored gradients per step of the folds' scan
+# (1.07x AdamW's step against 1.10x one at a time, gpt2-small and qwen2.5-0.5b at m = 64 on
+# an H200; docs/optim.md, "Fold blocks")
+FOLD_CHUNK = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +45,9 @@ class CollectorSpec:
     loo_storage: dtype of the m gradients one-pass LOO stores, ``"float32"`` or
       ``"bfloat16"`` (None: no preference, float32); the folds compute in float32.
     loo_fold_chunk: one-pass LOO folds this many stored gradients at once (a ``vmap``
-      inside the scan over the folds, the block's sums and variance merged into the running
-      ones); must divide m (None: no preference, 1: one fold per scan step). Microbatches
-      split over devices (``MicrobatchAxis``) are folded where they lie, without blocks.
+      inside the scan over the folds, the block's sums added to the running ones); must
+      divide m (None: no preference, gcd(m, ``FOLD_CHUNK``)). Microbatches split over
+      devices (``MicrobatchAxis``) are folded where they lie, without blocks.
   """
   layout: Optional[str] = "all"
   var_of: Optional[str] = None

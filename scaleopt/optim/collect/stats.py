@@ -33,7 +33,8 @@ class GroupStats(NamedTuple):
 
 class LOOStats(NamedTuple):
   """Leave-one-out fold statistics: mean over folds of the fold terms, the sample variance
-  over folds M2 / (m - 1) of the fold denominators (the reference code's estimator) and m."""
+  over folds (1/(m-1)) sum_r (d_r - mean d)^2 of the fold denominators (the reference code's
+  estimator) and m."""
   mean: PyTree
   var: PyTree
   count: int = 0
