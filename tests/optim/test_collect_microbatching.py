@@ -1,19 +1,20 @@
 """The collector's microbatching options against the two-pass scan: one-pass leave-one-out
-(``loo_passes=1``, the default) and vmapped microbatch gradients (``vmap_microbatches=True``)
-must give the same statistics and the same updates, per coordinate, and cost the expected
-memory.
+(``loo_passes=1``, the default, its folds in blocks) and vmapped microbatch gradients
+(``vmap_microbatches=True``) must give the same statistics and the same updates, per
+coordinate, and cost the expected memory.
 
-Tolerance. The options change where the per-microbatch gradients are computed (inside the
-scan, stored from the first sweep, or from one batched ``vmap``), not the arithmetic of the
-statistics: the accumulation order over microbatches is the same. One-pass LOO runs the same
-gradient computation and the same folds, so it must agree exactly (measured: bitwise). Vmapped
-gradients differ by the rounding of the batched forward/backward (XLA blocks a batched matmul
-differently), a few float32 ulps per entry (measured ~3e-6 relative on the mean gradient);
-the LOO fold's m_hat / d^3 term triples a relative error of d and the fold variance is a
-difference of close terms (measured 4e-5). rtol 1e-4 (final parameters 2e-5) with an absolute
-floor of 1e-6 of each leaf's scale: a 10% change of any coefficient fails by orders of
-magnitude.
+Tolerance. The options change where the per-microbatch gradients are computed (inside the scan,
+stored from the first sweep, or from one batched ``vmap``), not the arithmetic of the
+statistics: the accumulation order over microbatches is the same. One-pass LOO one fold at a
+time runs the same gradient computation and the same folds, so it must agree exactly (measured:
+bitwise); in blocks (the default) the sums' order changes (float32 rounding). Vmapped gradients
+differ by the rounding of the batched forward/backward (XLA blocks a batched matmul
+differently), a few float32 ulps per entry (measured ~3e-6 relative on the mean gradient); the
+LOO fold's m_hat / d^3 term triples a relative error of d and the fold variance is a difference
+of close terms (measured 4e-5). rtol 1e-4 (final parameters 2e-5) with an absolute floor of 1e-6
+of each leaf's scale: a 10% change of any coefficient fails by orders of magnitude.
 """
+
 
 import functools
 

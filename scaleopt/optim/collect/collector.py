@@ -44,8 +44,8 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
     return jax.tree.map(lambda *xs: sum(xs), *outs)
 
   # the denominators' variance from sums of e_r = d_r - K, K the fold at g_full: the first-order
-  # parts of e_r cancel over r, so (sum e^2 - (sum e)^2 / m) loses nothing to cancellation, and
-  # every fold is three sums (a block of folds one reduction, its temporaries fused away)
+  # parts of e_r cancel over r, so (sum e^2 - (sum e)^2 / m) loses little to cancellation, and
+  # a block of folds is three plain sums over the block
   _, shift = fold(g_full)
 
   def sums(g_r):  # the fold terms, e_r and e_r^2 of one stored (or recomputed) g_r
@@ -56,15 +56,17 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
   add = lambda t, u: jax.tree.map(jnp.add, t, u)
   grad_of = (lambda g: g) if one else (lambda mb: _f32(grad_fn(params, mb)[2]))
   step = lambda carry, g_r: add(carry, sums(g_r))
-  block = lambda vmap: lambda carry, g_rs: add(carry, sum0(vmap(sums)(g_rs)))
+  def block(vmap):  # the sums of a block of folds at once
+    return lambda carry, g_rs: add(carry, sum0(vmap(sums)(g_rs)))
+
   carry0 = _zeros_like_out(sums, g_full)
   k = spec.loo_fold_chunk or math.gcd(m, FOLD_CHUNK)
   if m % k:
     raise ValueError(f"loo_fold_chunk={k} must divide the step's m={m} microbatches")
   if one and k > 1 and _split_axis(m) is None:  # split over devices: folded where they lie
     blocks = jax.tree.map(lambda x: x.reshape(m // k, k, *x.shape[1:]), g_all[0])
-    (t, s1, s2), _ = jax.lax.scan(lambda c_, g_rs: (block(jax.vmap)(c_, g_rs), None), carry0,
-                                  blocks)
+    (t, s1, s2), _ = jax.lax.scan(lambda carry, g_rs: (block(jax.vmap)(carry, g_rs), None),
+                                  carry0, blocks)
   else:  # stored gradients already in slices: the plain scan folds them where they are
     (t, s1, s2), _ = fold_microbatches(grad_of, step, carry0, g_all[0] if one else mbs,
                                        vmap=one and spec.vmap and not _spreads(m),

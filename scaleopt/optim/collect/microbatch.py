@@ -105,8 +105,8 @@ class MicrobatchAxis(NamedTuple):
   holds all m microbatches of its slice of each leaf (an all-to-all); the statistics are then
   folded on the slices with the ordinary scan, locally, and the optimizer can update its
   slice in place (ZeRO-1). Without ``spread`` the statistics are sums over the split axis:
-  an all-reduce per parameter-sized sum (the gradient, each fold term, a Welford mean, then
-  its M2).
+  an all-reduce per parameter-sized sum (the gradient, each fold term, the LOO variance's two
+  sums; a Welford variance's mean, then its M2).
   """
   name: str
   size: int

@@ -19,8 +19,7 @@ CLIPS = ("none", "consistent", "numerator")
 LOO_PASSES = (None, 1, 2)
 LOO_STORAGE = (None, "float32", "bfloat16")
 # one-pass LOO's default fold block: gcd(m, 8) stored gradients per step of the folds' scan
-# (1.07x AdamW's step against 1.10x one at a time, gpt2-small and qwen2.5-0.5b at m = 64 on
-# an H200; docs/optim.md, "Fold blocks")
+# (the measurements behind it: docs/optim.md, "Fold blocks")
 FOLD_CHUNK = 8
 
 
