@@ -56,6 +56,7 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
   add = lambda t, u: jax.tree.map(jnp.add, t, u)
   grad_of = (lambda g: g) if one else (lambda mb: _f32(grad_fn(params, mb)[2]))
   step = lambda carry, g_r: add(carry, sums(g_r))
+
   def block(vmap):  # the sums of a block of folds at once
     return lambda carry, g_rs: add(carry, sum0(vmap(sums)(g_rs)))
 
@@ -63,11 +64,11 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
   k = spec.loo_fold_chunk or math.gcd(m, FOLD_CHUNK)
   if m % k:
     raise ValueError(f"loo_fold_chunk={k} must divide the step's m={m} microbatches")
-  if one and k > 1 and _split_axis(m) is None:  # split over devices: folded where they lie
+  if one and k > 1 and _split_axis(m) is None:  # blocks of k stored gradients
     blocks = jax.tree.map(lambda x: x.reshape(m // k, k, *x.shape[1:]), g_all[0])
     (t, s1, s2), _ = jax.lax.scan(lambda carry, g_rs: (block(jax.vmap)(carry, g_rs), None),
                                   carry0, blocks)
-  else:  # stored gradients already in slices: the plain scan folds them where they are
+  else:  # one at a time, or split over devices: folded where they lie, without blocks
     (t, s1, s2), _ = fold_microbatches(grad_of, step, carry0, g_all[0] if one else mbs,
                                        vmap=one and spec.vmap and not _spreads(m),
                                        reduce=block(lambda f: _vmap(f, m)))
