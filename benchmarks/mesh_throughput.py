@@ -83,6 +83,7 @@ XLA_OPTIONS = {
     "lt": "--xla_gpu_enable_cublaslt=true",
     "nocb": "--xla_gpu_enable_command_buffer=",
     "db": "--xla_gpu_enable_while_loop_double_buffering=true",
+    "cudnnf": "--xla_gpu_cudnn_gemm_fusion_level=2",
 }
 
 

@@ -233,7 +233,7 @@ def test_compiled_memory_grows_by_m_gradient_copies():
 
   extra = m * 2 * d * d * 4
   grows = lambda opts, **bc: temp(opts, 2 * m, **bc) - temp(opts, m, **bc)
-  one = dict(loo_fold_chunk=1)  # a fold block's temporaries would add to the count
+  one = dict(loo_fold_chunk=1)  # unrolled folds' temporaries could add to the count
   assert abs(grows(dict(loo_passes=2))) <= 0.05 * extra
   assert 0.95 * extra <= grows(dict(loo_passes=1, **one)) <= 1.05 * extra
   assert temp(one) == temp(dict(loo_passes=1, **one))  # the default stores the m gradients

@@ -344,8 +344,8 @@ def test_soap_bc_std_warmup_takes_soaps_update_on_the_first_k_calls():
 
 
 def test_soap_bc_fold_blocks_equal_one_fold_at_a_time():
-  """loo_fold_chunk with SOAP-BC (its folds' rotations batched over the block, a 1-D leaf
-  without a basis): the same updates per coordinate, up to float32 rounding."""
+  """loo_fold_chunk with SOAP-BC (k folds per step of the folds' scan, their rotations
+  included; a 1-D leaf without a basis): the same updates per coordinate, up to float32 rounding."""
   g = np.random.default_rng(5).normal(size=(3, 4, 5, 4)) + 0.5
   params = {"w": jnp.zeros((5, 4)), "b": jnp.zeros((4,))}
 

@@ -3,7 +3,6 @@ docstring has the layouts, the clip and the one-pass leave-one-out)."""
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional
 
 import jax
@@ -45,7 +44,7 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
 
   # the denominators' variance from sums of e_r = d_r - K, K the fold at g_full: the first-order
   # parts of e_r cancel over r, so (sum e^2 - (sum e)^2 / m) loses little to cancellation, and
-  # a block of folds is three plain sums over the block
+  # the folds are running sums, with no mean needed first
   _, shift = fold(g_full)
 
   def sums(g_r):  # the fold terms, e_r and e_r^2 of one stored (or recomputed) g_r
@@ -57,21 +56,18 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
   grad_of = (lambda g: g) if one else (lambda mb: _f32(grad_fn(params, mb)[2]))
   step = lambda carry, g_r: add(carry, sums(g_r))
 
-  def block(vmap):  # the sums of a block of folds at once
-    return lambda carry, g_rs: add(carry, sum0(vmap(sums)(g_rs)))
-
   carry0 = _zeros_like_out(sums, g_full)
-  k = spec.loo_fold_chunk or math.gcd(m, FOLD_CHUNK)
-  if m % k:
-    raise ValueError(f"loo_fold_chunk={k} must divide the step's m={m} microbatches")
-  if one and k > 1 and _split_axis(m) is None:  # blocks of k stored gradients
-    blocks = jax.tree.map(lambda x: x.reshape(m // k, k, *x.shape[1:]), g_all[0])
-    (t, s1, s2), _ = jax.lax.scan(lambda carry, g_rs: (block(jax.vmap)(carry, g_rs), None),
-                                  carry0, blocks)
-  else:  # one at a time, or split over devices: folded where they lie, without blocks
+  if one and _split_axis(m) is None:
+    # the stored g_r in order, k folds per step of the scan, unrolled: XLA fuses the k folds
+    # and the running sums into one pass, which reads the sums once per k gradients
+    k = spec.loo_fold_chunk or FOLD_CHUNK
+    (t, s1, s2), _ = jax.lax.scan(lambda carry, g_r: (step(carry, g_r), None), carry0,
+                                  g_all[0], unroll=min(k, m))
+  else:  # recomputed (two passes), or split over devices: folded where they lie
+    reduce = lambda carry, g_rs: add(carry, sum0(_vmap(sums, m)(g_rs)))
     (t, s1, s2), _ = fold_microbatches(grad_of, step, carry0, g_all[0] if one else mbs,
                                        vmap=one and spec.vmap and not _spreads(m),
-                                       reduce=block(lambda f: _vmap(f, m)))
+                                       reduce=reduce)
   var = lambda a, q: jnp.maximum((q - a * a / m) / (m - 1), 0.0)
   loo = LOOStats(mean=jax.tree.map(lambda s: s / m, t), var=jax.tree.map(var, s1, s2), count=m)
   return BCStats(g_full, g_full, None, None, loo, loss, aux, c)

@@ -37,11 +37,11 @@ def collector_options(*, loo_passes: Optional[int] = None,
     loo_storage: dtype of the gradients one-pass LOO stores: ``"float32"`` (default; the
       statistics equal the two-pass form's) or ``"bfloat16"`` (half the memory; each stored
       g_r is rounded to bfloat16, relative error <= 2^-8, before the float32 folds).
-    loo_fold_chunk: one-pass LOO reads this many stored gradients per step of its scan over
-      the folds (a ``vmap``; it must divide m): the running sums and variance are read and
-      written m / loo_fold_chunk times instead of m, at the memory of that many folds'
-      terms. The statistics are the same up to float32 rounding (the sums' order changes).
-      Default gcd(m, 8); 1 folds one stored gradient at a time (the least memory). Vmapped
+    loo_fold_chunk: one-pass LOO folds this many stored gradients per step of its scan over
+      the folds, unrolled, so that XLA fuses them with the running sums: the sums are read
+      and written about m / loo_fold_chunk times instead of m. The folds run in the same
+      order; the statistics are the same up to float32 rounding (XLA's fusion of the
+      arithmetic). Default 8 (at most m); 1 folds one stored gradient at a time. Vmapped
       microbatches split over devices are folded without blocks.
 
   None leaves a setting to the default (or to another element of the chain).

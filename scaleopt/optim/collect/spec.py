@@ -18,8 +18,8 @@ VAR_OF = (None, "grad", "sq", "post_ema")
 CLIPS = ("none", "consistent", "numerator")
 LOO_PASSES = (None, 1, 2)
 LOO_STORAGE = (None, "float32", "bfloat16")
-# one-pass LOO's default fold block: gcd(m, 8) stored gradients per step of the folds' scan
-# (the measurements behind it: docs/optim.md, "Fold blocks")
+# one-pass LOO's default: 8 stored gradients per step of the folds' scan, unrolled (at most m;
+# the measurements behind it: docs/optim.md, "Fold blocks")
 FOLD_CHUNK = 8
 
 
@@ -43,10 +43,9 @@ class CollectorSpec:
       ``lax.scan`` (None: no preference, scan).
     loo_storage: dtype of the m gradients one-pass LOO stores, ``"float32"`` or
       ``"bfloat16"`` (None: no preference, float32); the folds compute in float32.
-    loo_fold_chunk: one-pass LOO folds this many stored gradients at once (a ``vmap``
-      inside the scan over the folds, the block's sums added to the running ones); must
-      divide m (None: no preference, gcd(m, ``FOLD_CHUNK``)). Microbatches split over
-      devices (``MicrobatchAxis``) are folded where they lie, without blocks.
+    loo_fold_chunk: one-pass LOO folds this many stored gradients per step of its scan over
+      the folds (the scan's ``unroll``; None: no preference, ``FOLD_CHUNK``). Microbatches
+      split over devices (``MicrobatchAxis``) are folded where they lie, without blocks.
   """
   layout: Optional[str] = "all"
   var_of: Optional[str] = None
