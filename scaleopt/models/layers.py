@@ -159,12 +159,19 @@ def rope_tables(seq_len: int, d_head: int, theta: float) -> tuple[jax.Array, jax
 
 
 def apply_rope(x_BxTxHxK: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-  """Rotate-half RoPE (LLaMA/Qwen convention) on the last axis."""
+  """Rotate-half RoPE (LLaMA/Qwen convention) on the last axis, halves (x1, x2):
+
+      y = (x1 cos - x2 sin, x2 cos + x1 sin)
+
+  computed as x cos + flip(x) (-sin, sin) over a (2, K/2) view, which XLA fuses into one
+  pass forward and backward (no concatenation of the halves; the same products and sums).
+  """
   x = x_BxTxHxK.astype(f32)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  s, c = sin[:, None, :], cos[:, None, :]
-  y = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-  return y.astype(x_BxTxHxK.dtype)
+  *lead, k = x.shape
+  x_2xH = x.reshape(*lead, 2, k // 2)
+  signed_sin = (sin[:, None, :] * jnp.array([-1.0, 1.0], f32)[:, None])[:, None]  # T,1,2,K/2
+  y = x_2xH * cos[:, None, None, :] + jnp.flip(x_2xH, axis=-2) * signed_sin
+  return y.reshape(x.shape).astype(x_BxTxHxK.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
