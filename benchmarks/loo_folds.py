@@ -85,11 +85,12 @@ def main(argv=None) -> int:
   a = ap.parse_args(argv)
   try:
     chunks = [int(c) for c in a.chunks.split(",")]
-    assert min(chunks) >= 1 and a.m >= 2
+    if min(chunks) < 1 or a.m < 2 or a.iters < 1:
+      raise ValueError("chunks and iters must be integers >= 1 and m >= 2")
     params = param_tree(a.model, jax.random.PRNGKey(0))
-  except (ValueError, AssertionError) as e:
-    print(f"loo_folds: --model {a.model!r}, --m {a.m}, --chunks {a.chunks!r}: "
-          f"{str(e) or 'chunks must be integers >= 1 and m >= 2'}", file=sys.stderr)
+  except ValueError as e:
+    print(f"loo_folds: --model {a.model!r}, --m {a.m}, --chunks {a.chunks!r}, --iters "
+          f"{a.iters}: {e}", file=sys.stderr)
     return 2
   n = sum(x.size for x in jax.tree.leaves(params))
   mbs = {"a": jnp.linspace(0.5, 1.5, a.m, dtype=jnp.float32)}

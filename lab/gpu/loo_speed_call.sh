@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on one GPU: one-pass LOO at the paper's step (512 x 1024 tokens as 64
-# microbatches of 8) with fold blocks and bfloat16 storage on gpt2-small against AdamW of the
+# microbatches of 8) with loo_fold_chunk k and bfloat16 storage on gpt2-small against AdamW of the
 # same call, a kernel profile of the AdamW and LOO steps, and qwen2.5-0.5b at the same step
 # through the trainer (AdamW, LOO with bfloat16 and float32 storage), from the repo root:
 #   [CHUNKS="4 8 16"] [PROFILE="adamw adamw_bc"] [QWEN="bf16 f32"] [SECONDS_MAX=565] \
@@ -8,8 +8,8 @@
 # CHUNKS: the loo_fold_chunk values timed besides AdamW, LOO one fold at a time and the last
 # chunk with bfloat16 storage; PROFILE: the optimizers profiled (empty: none; the LOO profile
 # takes the default blocks); QWEN: the LOO forms timed on qwen2.5-0.5b after its AdamW ("f32",
-# "bf16": storage, one fold at a time; "f32:8": float32 in blocks of 8; empty: no qwen runs).
-# The calls of lab/benchmarks_history.md ran it when the default was one fold at a time.
+# "bf16": storage, one fold at a time; "f32:8": float32 with k = 8; empty: no qwen runs).
+# lab/benchmarks_history.md names the code each of its calls ran.
 # $OUT gets sweep.{log,jsonl}, prof_OPT.log, qwen.{log,jsonl}.
 set -uo pipefail
 export PYTHONPATH=.

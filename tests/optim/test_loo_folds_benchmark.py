@@ -26,7 +26,7 @@ def test_tiny_table():
 
 @pytest.mark.integration  # each a subprocess that imports jax
 @pytest.mark.parametrize("args,says", [(("--chunks", "0"), "--chunks '0'"),
-                                       (("--m", "1"), "--m 1")])
+                                       (("--m", "1"), "--m 1"), (("--iters", "0"), "--iters 0")])
 def test_bad_input_is_a_one_line_error(args, says):
   out = _run(*args)
   assert out.returncode == 2 and says in out.stderr and len(out.stderr.splitlines()) == 1

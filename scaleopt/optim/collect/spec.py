@@ -44,8 +44,8 @@ class CollectorSpec:
     loo_storage: dtype of the m gradients one-pass LOO stores, ``"float32"`` or
       ``"bfloat16"`` (None: no preference, float32); the folds compute in float32.
     loo_fold_chunk: one-pass LOO folds this many stored gradients per step of its scan over
-      the folds (the scan's ``unroll``; None: no preference, ``FOLD_CHUNK``). Microbatches
-      split over devices (``MicrobatchAxis``) are folded where they lie, without blocks.
+      the folds (the scan's ``unroll``; None: no preference, ``FOLD_CHUNK``). It does not
+      apply to microbatches split over devices (``MicrobatchAxis``), folded where they lie.
   """
   layout: Optional[str] = "all"
   var_of: Optional[str] = None
