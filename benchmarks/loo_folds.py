@@ -9,11 +9,12 @@ parameters) at m microbatches. Rows, each one jitted step with donated parameter
 * ``read stack``: one read of a float32 stack of m gradients (the sum over its leading axis),
   the least any fold order can cost beyond the stack's one write.
 
-Columns: median ms per step and the ms over AdamW's step of the same run, which is what the
-stored gradients and their folds add to a training step at this m.
+Columns: median ms per step; the ms over AdamW's step of the same run (what the stored
+gradients and their folds add to a training step at this m); seconds to lower and compile the
+step (on CPU the unrolled folds' compile is what sets ``loo_fold_chunk``'s CPU default).
 
     python benchmarks/loo_folds.py                          # GPU: gpt2-small, m = 64
-    python benchmarks/loo_folds.py --model tiny --m 8 --chunks 1,4 --iters 2  # CPU dry run
+    python benchmarks/loo_folds.py --model tiny --m 8 --chunks 1,8 --iters 3  # CPU
 """
 
 from __future__ import annotations
@@ -61,9 +62,12 @@ def bc_step(tx):
   return step
 
 
-def timed(fn, args, iters: int, donate=(0, 1)) -> float:
-  """Median seconds per call of the compiled ``fn`` (its first outputs feed the next call)."""
+def timed(fn, args, iters: int, donate=(0, 1)) -> tuple[float, float]:
+  """(median seconds per call of the compiled ``fn``, seconds to lower and compile it); its
+  first outputs feed the next call."""
+  t0 = time.perf_counter()
   f = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+  compile_s = time.perf_counter() - t0
   out = f(*args)
   jax.block_until_ready(out)
   times = []
@@ -73,7 +77,7 @@ def timed(fn, args, iters: int, donate=(0, 1)) -> float:
     out = f(*args)
     jax.block_until_ready(out)
     times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+  return float(np.median(times)), compile_s
 
 
 def main(argv=None) -> int:
@@ -104,11 +108,12 @@ def main(argv=None) -> int:
     tx = optax.chain(so.collector_options(loo_fold_chunk=k), so.adamw_bc(1e-3))
     rows.append((f"loo k={k}", timed(bc_step(tx), (fresh(), tx.init(params), mbs), a.iters)))
   stack = jax.tree.map(lambda x: jnp.broadcast_to(x, (a.m, *x.shape)) + 0, params)
-  read = timed(lambda s: jax.tree.map(lambda x: jnp.sum(x, 0), s), (stack,), a.iters, donate=())
-  print("\n| row | ms/step | ms over adamw |\n|---|---|---|")
-  for name, t in rows:
-    print(f"| {name} | {t * 1e3:.2f} | {(t - base) * 1e3:+.2f} |")
-  print(f"| read stack ({a.m * n * 4 / read / 1e12:.2f} TB/s) | {read * 1e3:.2f} | - |")
+  read = timed(lambda s: jax.tree.map(lambda x: jnp.sum(x, 0), s), (stack,), a.iters,
+               donate=())[0]
+  print("\n| row | ms/step | ms over adamw | compile s |\n|---|---|---|---|")
+  for name, (t, c) in rows:
+    print(f"| {name} | {t * 1e3:.2f} | {(t - base[0]) * 1e3:+.2f} | {c:.2f} |")
+  print(f"| read stack ({a.m * n * 4 / read / 1e12:.2f} TB/s) | {read * 1e3:.2f} | - | - |")
   return 0
 
 

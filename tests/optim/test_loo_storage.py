@@ -16,6 +16,7 @@ import optax
 import pytest
 
 import scaleopt.optim as so
+from scaleopt.optim.collect.spec import default_fold_chunk
 
 M, EPS, MAX_NORM = 8, 1e-8, 0.05
 U = 2.0 ** -8  # bfloat16 unit roundoff (8 significand bits, round to nearest)
@@ -150,7 +151,7 @@ def test_fold_blocks_equal_one_fold_at_a_time(storage):
   (and, in float32 storage, the two-pass form's)."""
   ref, p_ref = stats_of(dict(loo_passes=2) if storage == "float32" else
                         dict(loo_storage=storage, loo_fold_chunk=1))
-  for k in (3, None):  # 3 does not divide m = 8; None: the default, 8 (all m folds at once)
+  for k in (3, 8):  # 3 does not divide m = 8; 8: the default on GPUs and TPUs (all m at once)
     got, p_got = stats_of(dict(loo_storage=storage, loo_fold_chunk=k))
     for r, g in zip(ref, got):
       for x, y in zip(leaves((g.loo, g.numerator)), leaves((r.loo, r.numerator))):
@@ -159,13 +160,20 @@ def test_fold_blocks_equal_one_fold_at_a_time(storage):
       np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8)
   params, mbs, loss = mlp()
   mbs2 = jax.tree.map(lambda x: jnp.concatenate([x, x]), mbs)  # 2M = 16 microbatches
-  for k, m, unroll in ((3, M, 3), (1, M, 1), (None, M, 8), (16, M, M), (None, 2 * M, 8)):
+  # None: the default, 1 on CPU; at most m
+  for k, m, unroll in ((3, M, 3), (None, M, 1), (16, M, M), (8, 2 * M, 8)):
     tx = optax.chain(so.collector_options(loo_fold_chunk=k), so.adamw_bc(1e-3))
     b = mbs if m == M else mbs2
     jaxpr = jax.make_jaxpr(lambda p, s: so.collect(loss, p, b, s))(params, tx.init(params))
     scans = [(e.params["length"], e.params["unroll"]) for e in jaxpr.eqns
              if e.primitive.name == "scan"]
     assert scans == [(m, 1), (m, unroll)], (k, m, scans)  # the gradients' scan, the folds'
+
+
+def test_the_default_fold_chunk_is_8_on_accelerators_and_1_on_cpu():
+  assert default_fold_chunk("gpu") == default_fold_chunk("tpu") == 8
+  assert default_fold_chunk("cpu") == 1
+  assert default_fold_chunk() == (1 if jax.default_backend() == "cpu" else 8)
 
 
 @pytest.mark.parametrize("extra,match", [

@@ -36,9 +36,9 @@ Layouts (who is numerator, who is preconditioner):
   float32: m x params x 4 bytes more, ~4 GB for GPT-2 small at m = 8; ``loo_storage=
   "bfloat16"`` halves it; each stored g_r is sharded like its parameter, so FSDP over n
   devices divides it by n) and the folds scan over the stored gradients (no second
-  forward/backward), 8 folds per step of that scan, unrolled (``loo_fold_chunk``). Two
-  passes (``loo_passes=2``, for memory): pass 1 computes g_full, pass 2 recomputes every g_r
-  (memory independent of m). Both give the same statistics (bit for bit on CPU with
+  forward/backward), 8 folds per step of that scan on GPUs and TPUs, unrolled (1 on CPU;
+  ``loo_fold_chunk``). Two passes (``loo_passes=2``, for memory): pass 1 computes g_full,
+  pass 2 recomputes every g_r (memory independent of m). Both give the same statistics (bit for bit on CPU with
   ``loo_fold_chunk=1``, to float32 rounding with more folds per step).
 
 Microbatch gradients (``vmap_microbatches``): by default every group is a ``lax.scan`` of one

@@ -13,8 +13,8 @@ from scaleopt.optim.collect.microbatch import (MicrobatchAxis, _AXIS, _f32, _one
                                                _split_axis, _spreads, _vmap, _zeros_like_out,
                                                fold_microbatches, halves, num_microbatches,
                                                scan_group, sum0, value_and_grad_fn)
-from scaleopt.optim.collect.spec import (FOLD_CHUNK, CollectorSpec, Found, _ESTIMATORS,
-                                         _STATE_HOOKS, _merge, find_bc_states)
+from scaleopt.optim.collect.spec import (CollectorSpec, Found, _ESTIMATORS, _STATE_HOOKS,
+                                         _merge, default_fold_chunk, find_bc_states)
 from scaleopt.optim.collect.stats import BCStats, LOOStats, LossFn, PyTree
 
 
@@ -60,7 +60,7 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
   if one and _split_axis(m) is None:
     # the stored g_r in order, k folds per step of the scan, unrolled: one chain of
     # elementwise work per step that XLA can fuse with the running sums (docs/optim.md)
-    k = spec.loo_fold_chunk or FOLD_CHUNK
+    k = spec.loo_fold_chunk or default_fold_chunk()
     (t, s1, s2), _ = jax.lax.scan(lambda carry, g_r: (step(carry, g_r), None), carry0,
                                   g_all[0], unroll=min(k, m))
   else:  # recomputed (two passes), or split over devices: folded where they lie

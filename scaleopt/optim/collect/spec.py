@@ -18,9 +18,16 @@ VAR_OF = (None, "grad", "sq", "post_ema")
 CLIPS = ("none", "consistent", "numerator")
 LOO_PASSES = (None, 1, 2)
 LOO_STORAGE = (None, "float32", "bfloat16")
-# one-pass LOO's default: 8 stored gradients per step of the folds' scan, unrolled (at most m;
-# the measurements behind it: docs/optim.md, "Fold blocks")
+# one-pass LOO's default on GPUs and TPUs: 8 stored gradients per step of the folds' scan,
+# unrolled (at most m; the measurements behind it: docs/optim.md, "Fold blocks")
 FOLD_CHUNK = 8
+
+
+def default_fold_chunk(backend: Optional[str] = None) -> int:
+  """Folds per scan step when ``loo_fold_chunk`` is unset: ``FOLD_CHUNK`` on accelerators, 1 on
+  CPU, where the unrolled folds about double the step's XLA compile time and the runs that
+  use CPUs (tests, small models) spend more time compiling than folding."""
+  return 1 if (backend or jax.default_backend()) == "cpu" else FOLD_CHUNK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +51,9 @@ class CollectorSpec:
     loo_storage: dtype of the m gradients one-pass LOO stores, ``"float32"`` or
       ``"bfloat16"`` (None: no preference, float32); the folds compute in float32.
     loo_fold_chunk: one-pass LOO folds this many stored gradients per step of its scan over
-      the folds (the scan's ``unroll``; None: no preference, ``FOLD_CHUNK``). It does not
-      apply to microbatches split over devices (``MicrobatchAxis``), folded where they lie.
+      the folds (the scan's ``unroll``; None: no preference, ``default_fold_chunk()``). It
+      does not apply to microbatches split over devices (``MicrobatchAxis``), folded where
+      they lie.
   """
   layout: Optional[str] = "all"
   var_of: Optional[str] = None
