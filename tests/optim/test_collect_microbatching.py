@@ -87,10 +87,10 @@ def two_pass_loo():
 
 # ----------------------------------------------------------------------------- adamw_bc
 
-@pytest.mark.parametrize("opts,rtol", [(dict(loo_fold_chunk=8), 1e-4),
-                                       (dict(loo_passes=1, loo_fold_chunk=1), 0.0),
-                                       (dict(vmap_microbatches=True), 1e-4)],
-                         ids=["fold_blocks", "one_pass_one_fold", "vmap"])
+@pytest.mark.parametrize("opts,rtol", [  # fold blocks against two passes: also test_loo_storage
+    pytest.param(dict(loo_fold_chunk=8), 1e-4, marks=pytest.mark.integration),
+    (dict(loo_passes=1, loo_fold_chunk=1), 0.0), (dict(vmap_microbatches=True), 1e-4)],
+    ids=["fold_blocks", "one_pass_one_fold", "vmap"])
 def test_loo_one_pass_and_vmap_equal_the_two_pass_scan(opts, rtol):
   params, mbs, loss = mlp()
   ref, p_ref = two_pass_loo()
