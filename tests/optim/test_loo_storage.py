@@ -143,21 +143,25 @@ def test_bfloat16_storage_halves_the_stored_bytes():
   assert 0.95 * extra / 2 <= f32 - bf16 <= 1.05 * extra / 2, (f32, bf16, extra)
 
 
-@pytest.mark.parametrize("storage", ["float32",
-                                     pytest.param("bfloat16", marks=pytest.mark.integration)])
-def test_fold_blocks_equal_one_fold_at_a_time(storage):
+@pytest.mark.parametrize("storage,k", [
+    ("float32", 3),  # 3 does not divide m = 8
+    pytest.param("float32", 8, marks=pytest.mark.integration),  # 8: all m in one scan step
+    pytest.param("bfloat16", 3, marks=pytest.mark.integration)])
+def test_fold_blocks_equal_one_fold_at_a_time(storage, k):
   """``loo_fold_chunk`` k: the folds' scan unrolls k stored gradients per step, and the
   statistics and parameters equal one fold per step per coordinate, up to float32 rounding
   (and, in float32 storage, the two-pass form's)."""
   ref, p_ref = stats_of(dict(loo_passes=2) if storage == "float32" else
                         dict(loo_storage=storage, loo_fold_chunk=1))
-  for k in (3, 8):  # 3 does not divide m = 8; 8: the default on GPUs and TPUs (all m at once)
-    got, p_got = stats_of(dict(loo_storage=storage, loo_fold_chunk=k))
-    for r, g in zip(ref, got):
-      for x, y in zip(leaves((g.loo, g.numerator)), leaves((r.loo, r.numerator))):
-        np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-7 * np.abs(y).max())
-    for x, y in zip(leaves(p_got), leaves(p_ref)):
-      np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8)
+  got, p_got = stats_of(dict(loo_storage=storage, loo_fold_chunk=k))
+  for r, g in zip(ref, got):
+    for x, y in zip(leaves((g.loo, g.numerator)), leaves((r.loo, r.numerator))):
+      np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-7 * np.abs(y).max())
+  for x, y in zip(leaves(p_got), leaves(p_ref)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8)
+
+
+def test_the_folds_scan_unrolls_k_folds_per_step():
   params, mbs, loss = mlp()
   mbs2 = jax.tree.map(lambda x: jnp.concatenate([x, x]), mbs)  # 2M = 16 microbatches
   # None: the default, 1 on CPU; at most m

@@ -318,6 +318,7 @@ def test_soap_bc_folds_rotate_only_their_own_gradient():
   assert _dots_in_scans(jaxpr.jaxpr)[1:] == [0, 2]  # the gradients' scan, the folds' scan
 
 
+@pytest.mark.integration  # SOAP and SOAP-BC compiled side by side (~18 s on 2 cores)
 def test_soap_bc_std_warmup_takes_soaps_update_on_the_first_k_calls():
   """std_warmup_steps=K: calls 0..K give SOAP's own updates (call 0 only builds the basis),
   call K+1 the LOO form's; per coordinate, on one stream of microbatch gradients (the state
@@ -343,7 +344,8 @@ def test_soap_bc_std_warmup_takes_soaps_update_on_the_first_k_calls():
   assert np.abs(warm[k + 1] - soap[k + 1]).max() > 1e-3 * np.abs(soap[k + 1]).max()
 
 
-def test_soap_bc_fold_blocks_equal_one_fold_at_a_time():
+@pytest.mark.parametrize("k", [3, pytest.param(8, marks=pytest.mark.integration)])
+def test_soap_bc_fold_blocks_equal_one_fold_at_a_time(k):
   """loo_fold_chunk with SOAP-BC (k folds per step of the folds' scan, their rotations
   included; a 1-D leaf without a basis): the same updates per coordinate, up to float32 rounding."""
   g = np.random.default_rng(5).normal(size=(3, 4, 5, 4)) + 0.5
@@ -361,8 +363,8 @@ def test_soap_bc_fold_blocks_equal_one_fold_at_a_time():
     return out
 
   one = updates(loo_fold_chunk=1)
-  for blocks in (updates(loo_fold_chunk=3), updates(loo_fold_chunk=8)):
-    # 3 does not divide m = 4; 8, the default on GPUs: all m = 4 in one scan step
-    for a, b in zip(blocks, one):
-      for k in ("w", "b"):
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6 * np.abs(b[k]).max())
+  # 3 does not divide m = 4; 8, the default on GPUs: all m = 4 in one scan step
+  for a, b in zip(updates(loo_fold_chunk=k), one):
+    for name in ("w", "b"):
+      np.testing.assert_allclose(a[name], b[name], rtol=1e-5,
+                                 atol=1e-6 * np.abs(b[name]).max())
