@@ -4,7 +4,8 @@ A synthetic loss whose gradient is one elementwise pass, ``loss_r = a_r sum_leav
 (so g_r = a_r cos p), over the parameter tree of a model preset (default gpt2-small, 123.6M
 parameters) at m microbatches. Rows, each one jitted step with donated parameters and state:
 
-* ``adamw``: ``optax.adamw`` after the scan's running sum of the m gradients (the baseline);
+* ``adamw``: ``optax.adamw`` after the scan's running sum of the m gradients (the baseline;
+  ``collector_overhead.py``'s steps);
 * ``loo k=K``: ``adamw_bc`` (one-pass LOO + Jensen) with ``loo_fold_chunk=K``;
 * ``read stack``: one read of a float32 stack of m gradients (the sum over its leading axis),
   the least any fold order can cost beyond the stack's one write.
@@ -20,6 +21,7 @@ step (on CPU the unrolled folds' compile is what sets ``loo_fold_chunk``'s CPU d
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -32,6 +34,9 @@ import scaleopt.optim as so
 from scaleopt.models.presets import get_preset
 from scaleopt.models.transformer import functional
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from collector_overhead import baseline_step, bc_step  # noqa: E402
+
 
 def param_tree(model: str, key) -> dict:
   return jax.jit(functional(get_preset(model))[0])(key)
@@ -40,26 +45,6 @@ def param_tree(model: str, key) -> dict:
 def loss_fn(params, mb):
   leaves = jax.tree.leaves(params)
   return mb["a"] * sum(jnp.sum(jnp.sin(p)) for p in leaves), {}
-
-
-def adamw_step(tx):
-  def step(params, opt_state, mbs):
-    def body(acc, mb):
-      (loss, _), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
-      return jax.tree.map(jnp.add, acc, g), loss
-    acc, losses = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), mbs)
-    m = losses.shape[0]
-    u, opt_state = tx.update(jax.tree.map(lambda g: g / m, acc), opt_state, params)
-    return optax.apply_updates(params, u), opt_state, losses.mean()
-  return step
-
-
-def bc_step(tx):
-  def step(params, opt_state, mbs):
-    stats = so.collect(loss_fn, params, mbs, opt_state)
-    u, opt_state = tx.update(stats.numerator, opt_state, params, bc_stats=stats)
-    return optax.apply_updates(params, u), opt_state, stats.loss
-  return step
 
 
 def timed(fn, args, iters: int, donate=(0, 1)) -> tuple[float, float]:
@@ -102,11 +87,12 @@ def main(argv=None) -> int:
         f"{a.model} {n / 1e6:.1f}M parameters, m = {a.m}, stack {a.m * n * 4 / 1e9:.1f} GB")
   fresh = lambda: jax.tree.map(jnp.copy, params)
   tx = optax.adamw(1e-3)
-  base = timed(adamw_step(tx), (fresh(), tx.init(params), mbs), a.iters)
+  base = timed(baseline_step(loss_fn, tx), (fresh(), tx.init(params), mbs), a.iters)
   rows = [("adamw", base)]
   for k in chunks:
     tx = optax.chain(so.collector_options(loo_fold_chunk=k), so.adamw_bc(1e-3))
-    rows.append((f"loo k={k}", timed(bc_step(tx), (fresh(), tx.init(params), mbs), a.iters)))
+    step = bc_step(loss_fn, tx)
+    rows.append((f"loo k={k}", timed(step, (fresh(), tx.init(params), mbs), a.iters)))
   stack = jax.tree.map(lambda x: jnp.broadcast_to(x, (a.m, *x.shape)) + 0, params)
   read = timed(lambda s: jax.tree.map(lambda x: jnp.sum(x, 0), s), (stack,), a.iters,
                donate=())[0]

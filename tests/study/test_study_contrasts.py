@@ -128,7 +128,7 @@ def test_paper_study_runs_tiny_and_its_contrasts_match_scipy(corpus, tmp_path, c
 
 @pytest.mark.integration  # a subset of the every-arm run above (~28 s)
 def test_paper_study_claim_cells_run_tiny(corpus, tmp_path, capsys):
-  """The paper's claim as a contrast, in the fast tier: arms 1 and 3 (`adamw`, `loo_paper`) at
+  """The paper's claim as a contrast, on its own: arms 1 and 3 (`adamw`, `loo_paper`) at
   both seeds through the shipped config, tiny (the vmap engine: one compile per arm); the
   contrast row against SciPy, the other rows "unfinished"."""
   out = tmp_path / "study"
