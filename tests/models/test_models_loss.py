@@ -45,7 +45,7 @@ def test_per_token_values_and_gradients(chunks, kernel):
   h, w, y, c = _problem(0)
   nll, vjp = jax.vjp(jax.jit(lambda a, b: models.head_nll(a, b, y, chunks, kernel)), h, w)
   np.testing.assert_allclose(nll, _numpy_nll(h, w, y), rtol=1e-5, atol=1e-5)
-  ref, ref_vjp = jax.vjp(lambda a, b: _plain_nll(a, b, y), h, w)
+  ref, ref_vjp = jax.vjp(jax.jit(lambda a, b: _plain_nll(a, b, y)), h, w)
   for got, want in zip(vjp(c), ref_vjp(c)):  # per coordinate, random per-token cotangents
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   # one token at a time: its cotangent reaches only its own row of dh
@@ -60,7 +60,8 @@ def test_masked_mean_matches_lm_loss_and_bf16_close():
   plain = lambda a, b: models.lm_loss(jnp.einsum("btd,dv->btv", a, b), y, mask)
   for chunks in (1, 2):
     fused = lambda a, b: models.head_loss(a, b, y, mask, chunks)
-    (lf, gf), (lp, gp) = [jax.value_and_grad(f, argnums=(0, 1))(h, w) for f in (fused, plain)]
+    (lf, gf), (lp, gp) = [jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, w)
+                          for f in (fused, plain)]
     np.testing.assert_allclose(lf, lp, rtol=1e-6)
     for a, b in zip(gf, gp):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -68,7 +69,7 @@ def test_masked_mean_matches_lm_loss_and_bf16_close():
   hb, wb = h.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
   plain_b = lambda a, b: models.lm_loss(
       jnp.einsum("btd,dv->btv", a, b).astype(jnp.float32), y, mask)
-  (lf, gf), (lp, gp) = [jax.value_and_grad(f, argnums=(0, 1))(hb, wb) for f in
+  (lf, gf), (lp, gp) = [jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(hb, wb) for f in
                         (lambda a, b: models.head_loss(a, b, y, mask), plain_b)]
   assert gf[0].dtype == jnp.bfloat16 and gf[1].dtype == jnp.bfloat16
   np.testing.assert_allclose(lf, lp, rtol=1e-6)
@@ -150,6 +151,7 @@ def test_use_kernel_settings():
 MESH_SCRIPT = r"""
 import json, os, re
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"  # 4 simulated devices, also on a GPU machine
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 from scaleopt.models import loss, sharding

@@ -193,8 +193,12 @@ def test_soap_bc_is_adamw_bc_in_the_rotated_basis(mode, crossfit):
   params = {"w": jnp.zeros((d1, d2))}
   st = _bc_state(tx, params, c, ql, qr, jnp.asarray(mu, jnp.float32),
                  jnp.asarray(nu, jnp.float32))
-  stats = optim.collect(_linear_loss, params, jnp.asarray(g, jnp.float32), st)
-  u = -np.asarray(tx.update(stats.numerator, st, params, bc_stats=stats)[0]["w"])
+  def update(tx, st, params, g):  # jitted: one compile, not one per operation
+    stats = optim.collect(_linear_loss, params, g, st)
+    return tx.update(stats.numerator, st, params, bc_stats=stats)[0]["w"]
+
+  update = jax.jit(update, static_argnums=0)
+  u = -np.asarray(update(tx, st, params, jnp.asarray(g, jnp.float32)))
 
   rot = lambda x: ql.T @ x @ qr
   ref_tx = optim.scale_by_adam_bc(b1, b2, eps / np.sqrt(1 - b2 ** c), mode=mode,
@@ -204,8 +208,7 @@ def test_soap_bc_is_adamw_bc_in_the_rotated_basis(mode, crossfit):
                                mu={"w": jnp.asarray(rot(mu), jnp.float32)},
                                nu={"w": jnp.asarray(nu, jnp.float32)})
   g_rot = jnp.asarray(np.stack([rot(x) for x in g]), jnp.float32)
-  rstats = optim.collect(_linear_loss, p, g_rot, rs)
-  u_rot = np.asarray(ref_tx.update(rstats.numerator, rs, p, bc_stats=rstats)[0]["w"])
+  u_rot = np.asarray(update(ref_tx, rs, p, g_rot))
   np.testing.assert_allclose(u, ql @ u_rot @ qr.T, rtol=1e-4, atol=1e-5 * np.abs(u).max())
 
 
@@ -354,11 +357,16 @@ def test_soap_bc_fold_blocks_equal_one_fold_at_a_time(k):
   def updates(**opts):
     tx = optax.chain(optim.collector_options(**opts),
                      optim.soap_bc(1.0, precondition_frequency=2, weight_decay=0.0))
-    st, out = tx.init(params), []
     loss = lambda p, mb: (jnp.sum(p["w"] * mb) + jnp.sum(p["b"] * mb[0]), {})
+
+    @jax.jit
+    def step(st, gs):
+      stats = optim.collect(loss, params, gs, st)
+      return tx.update(stats.numerator, st, params, bc_stats=stats)
+
+    st, out = tx.init(params), []
     for gs in g:
-      stats = optim.collect(loss, params, jnp.asarray(gs, jnp.float32), st)
-      u, st = tx.update(stats.numerator, st, params, bc_stats=stats)
+      u, st = step(st, jnp.asarray(gs, jnp.float32))
       out.append(jax.tree.map(np.asarray, u))
     return out
 

@@ -209,7 +209,7 @@ def test_refresh_runs_estimator_only_every_k_steps():
   assert int(so.find_bc_states(st)[0].state.count) == 7
 
 
-def _first_refresh_inverse(correction_scale, n_trials=20000, m=16):
+def _first_refresh_inverse(correction_scale, n_trials=8000, m=16):
   w, mbs = _softmax_regression(seed=2, n_mb=m, pos=16)
   mbs32 = dict(mbs, x=mbs["x"].astype(jnp.float32), mask=mbs["mask"].astype(jnp.float32))
   params = {"w": w.astype(jnp.float32)}
@@ -231,7 +231,7 @@ def _first_refresh_inverse(correction_scale, n_trials=20000, m=16):
 
 
 def test_corrected_inverse_cuts_plugin_bias_5x():
-  """Monte Carlo over sampled labels (20,000 trials, 16 microbatches), per coordinate: the
+  """Monte Carlo over sampled labels (8,000 trials, 16 microbatches), per coordinate: the
   relative bias of E[inv] against 1 / p(E h_step) is positive for the plug-in on every
   coordinate, and the correction shrinks it on every coordinate and 5x in mean |bias| (absolute
   per coordinate, so over- and under-correction cannot cancel).

@@ -51,10 +51,12 @@ def _clamped_mean_at_zero_signal(m: int) -> float:
   """E[max(0, 4 g^2 V_hat - 2 V_hat^2 (m-1)/(m+1))] / V^2 at mu = 0, by quadrature over the
   exact sampling laws of Gaussian microbatch means: g^2 / V ~ chi2_1 and, independently,
   V_hat / V ~ chi2_{m-1} / (m-1). With X, Y those two: E[Y max(0, 4X - cY)] and
-  E[max(0, 4X - t)] = 4 int_{t/4}^inf P(X > x) dx."""
+  E[max(0, 4X - t)] = 4 E[(X - a)+] = 4 (P(chi2_3 > a) - a P(chi2_1 > a)), a = t/4 (the chi2_1
+  density times x is the chi2_3 density)."""
   from scipy import integrate, stats
-  c, chi1, chim = 2 * (m - 1) / (m + 1), stats.chi2(1), stats.chi2(m - 1)
-  inner = lambda y: 4 * integrate.quad(chi1.sf, c * y / 4, np.inf)[0]
+  c, chim = 2 * (m - 1) / (m + 1), stats.chi2(m - 1)
+  plus = lambda a: stats.chi2.sf(a, 3) - a * stats.chi2.sf(a, 1)
+  inner = lambda y: 4 * plus(c * y / 4)
   outer = lambda u: (u / (m - 1)) * inner(u / (m - 1)) * chim.pdf(u)
   return integrate.quad(outer, 0, np.inf, limit=200)[0]
 
