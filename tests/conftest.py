@@ -16,6 +16,11 @@ _on_cpu = os.environ.get("JAX_PLATFORMS", "" if _accelerator else "cpu") == "cpu
 if _on_cpu and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_backend_optimization_level=0").strip()
+# On an accelerator, float32 matmuls at full precision (a GPU's default is TF32): the tests
+# compare float32 programs with float64 references and with each other at float32 tolerances.
+# Tests of the TF32 paths set their precision explicitly.
+if not _on_cpu:
+  os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(__file__).resolve().parents[1] / ".jaxcache" / "tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")

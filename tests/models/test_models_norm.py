@@ -143,6 +143,7 @@ def test_without_the_triton_backend_auto_is_xla(monkeypatch):
 MESH_SCRIPT = r"""
 import json, os, re
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"  # 4 simulated devices, also on a GPU machine
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 from scaleopt.models import layers, sharding

@@ -11,8 +11,9 @@ bitwise); in blocks (the default) the sums' order changes (float32 rounding). Vm
 differ by the rounding of the batched forward/backward (XLA blocks a batched matmul
 differently), a few float32 ulps per entry (measured ~3e-6 relative on the mean gradient); the
 LOO fold's m_hat / d^3 term triples a relative error of d and the fold variance is a difference
-of close terms (measured 4e-5). rtol 1e-4 (final parameters 2e-5) with an absolute floor of 1e-6
-of each leaf's scale: a 10% change of any coefficient fails by orders of magnitude.
+of close terms (measured 4e-5). rtol 1e-4 (final parameters 2e-5; fold blocks, which change
+only the order of float32 sums, 2e-5 throughout) with an absolute floor of 1e-6 of each leaf's
+scale: a 10% change of any coefficient fails by orders of magnitude.
 """
 
 

@@ -59,7 +59,7 @@ def leaves(t):
   return [np.asarray(x, np.float64) for x in jax.tree.leaves(t)]
 
 
-@pytest.mark.integration  # make test: test_collect_microbatching's one_pass_one_fold case
+@pytest.mark.integration  # make test: test_collect_microbatching's one_pass_one_fold, vmap cases
 @pytest.mark.parametrize("vmap", [False, True], ids=["scan", "vmap"])
 def test_float32_storage_equals_the_two_pass_form(vmap):
   # float32 matmuls at full precision: a GPU's default (TF32) rounds the batched and the
