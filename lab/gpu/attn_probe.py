@@ -22,6 +22,21 @@ def ref_attn(q, k, v):
                                       v.astype(jnp.float32), is_causal=True, implementation="xla")
 
 
+def _ms_per_call(f, args, warm):
+  """(ms per call over REPS calls, the last output, seconds of the first call) after the
+  first call and ``warm`` more."""
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(f(*args))
+  first_s = time.perf_counter() - t0
+  for _ in range(warm):
+    jax.block_until_ready(f(*args))
+  t0 = time.perf_counter()
+  for _ in range(REPS):
+    out = f(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t0) / REPS * 1e3, out, first_s
+
+
 def timed(name, attn):
   key = jax.random.PRNGKey(0)
   kq, kk, kv, kd = jax.random.split(key, 4)
@@ -32,30 +47,15 @@ def timed(name, attn):
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
   try:
-    t0 = time.perf_counter()
-    jax.block_until_ready(step(q, k, v))
-    compile_s = time.perf_counter() - t0
-    for _ in range(3):
-      jax.block_until_ready(step(q, k, v))
-    t0 = time.perf_counter()
-    for _ in range(REPS):
-      out = step(q, k, v)
-    jax.block_until_ready(out)
-    ms = (time.perf_counter() - t0) / REPS * 1e3
-    fwd = jax.jit(attn)
-    jax.block_until_ready(fwd(q, k, v))
-    t0 = time.perf_counter()
-    for _ in range(REPS):
-      o = fwd(q, k, v)
-    jax.block_until_ready(o)
-    fwd_ms = (time.perf_counter() - t0) / REPS * 1e3
+    ms, out, compile_s = _ms_per_call(step, (q, k, v), warm=3)
+    fwd_ms, o, _ = _ms_per_call(jax.jit(attn), (q, k, v), warm=0)
     s = slice(0, 2)
     o_ref = ref_attn(q[s], k[s], v[s])
     err_o = float(jnp.max(jnp.abs(o[s].astype(jnp.float32) - o_ref)))
     g_ref = jax.grad(lambda q: jnp.sum(ref_attn(q, k[s], v[s]) * do[s].astype(jnp.float32)))(
         q[s].astype(jnp.float32))
     err_dq = float(jnp.max(jnp.abs(out[1][0][s].astype(jnp.float32) - g_ref)))
-    # causal flops actually done: fwd 2 matmuls x 2 flops x T^2/2 x D, bwd 2.5x fwd
+    # useful (causal) FLOPs: forward 2 matmuls x 2 flops x T^2/2 x D, backward 2.5x forward
     flops = 3.5 * 4 * B * H * T * T * D / 2
     print(f"{name:32s} fwd+bwd {ms:8.2f} ms  fwd {fwd_ms:7.2f} ms  "
           f"{flops / ms / 1e9:6.1f} TFLOP/s (causal)  compile {compile_s:5.1f} s  "
