@@ -79,8 +79,7 @@ def test_moe_layer_matches_naive_per_token_reference(cf):
   layer.experts.in_scale_gate.gamma[...] = jnp.exp(0.3 * jax.random.normal(keys[1], (4, 64)))
   layer.router.kernel[...] = layer.router.kernel[...] * 20  # confident, uneven routing
   x = jax.random.normal(keys[2], (2, 16, 64))
-  with jax.default_matmul_precision("highest"):  # float32 matmuls also on GPUs (not TF32)
-    y, aux = nnx.jit(lambda layer, x: layer(x))(layer, x)  # one compile, not one per op
+  y, aux = nnx.jit(lambda layer, x: layer(x))(layer, x)  # one compile, not one per op
   f64 = lambda a: np.asarray(a, np.float64)
   wr = f64(layer.router.kernel[...]) * f64(layer.in_scale_router.gamma[...])[:, None]
   wg = f64(layer.experts.wgate.kernel[...]) * f64(layer.experts.in_scale_gate.gamma[...])[..., None]

@@ -5,6 +5,7 @@ several steps including two basis updates: two-sided, one-sided (a side above
 max_precond_dim), stacked matrices, 1-D tensors (Adam) and Shampoo's blocking. Also the GPU
 path's QR call sizes (lowered for CUDA) and the refresh as one device branch."""
 
+import functools
 import re
 
 import jax
@@ -193,11 +194,11 @@ def test_soap_bc_is_adamw_bc_in_the_rotated_basis(mode, crossfit):
   params = {"w": jnp.zeros((d1, d2))}
   st = _bc_state(tx, params, c, ql, qr, jnp.asarray(mu, jnp.float32),
                  jnp.asarray(nu, jnp.float32))
-  def update(tx, st, params, g):  # jitted: one compile, not one per operation
+  @functools.partial(jax.jit, static_argnums=0)  # one compile, not one per operation
+  def update(tx, st, params, g):
     stats = optim.collect(_linear_loss, params, g, st)
     return tx.update(stats.numerator, st, params, bc_stats=stats)[0]["w"]
 
-  update = jax.jit(update, static_argnums=0)
   u = -np.asarray(update(tx, st, params, jnp.asarray(g, jnp.float32)))
 
   rot = lambda x: ql.T @ x @ qr

@@ -38,8 +38,8 @@ Layouts (who is numerator, who is preconditioner):
   devices divides it by n) and the folds scan over the stored gradients (no second
   forward/backward), 8 folds per step of that scan on GPUs and TPUs, unrolled (1 on CPU;
   ``loo_fold_chunk``). Two passes (``loo_passes=2``, for memory): pass 1 computes g_full,
-  pass 2 recomputes every g_r (memory independent of m). Both give the same statistics (bit for bit on CPU with
-  ``loo_fold_chunk=1``, to float32 rounding with more folds per step).
+  pass 2 recomputes every g_r (memory independent of m). Both give the same statistics (bit
+  for bit on CPU with ``loo_fold_chunk=1``, to float32 rounding with more folds per step).
 
 Microbatch gradients (``vmap_microbatches``): by default every group is a ``lax.scan`` of one
 forward/backward per microbatch (memory of one microbatch). With ``vmap_microbatches=True`` a
