@@ -13,7 +13,7 @@ Given a data / feature matrix X (n x d) or its covariance eigenvalues:
 4. Prediction: shift(s) = alpha_opt(s) - alpha_baseline(s) read from a sweep's alpha table and
    linearly interpolated at s (clamped to the table's range; `extrapolated` says when it was).
 5. GD's resolved-mode count k_GD(T) = #{k : T lambda_k / lambda_1 >= 1}: if the model width N
-   exceeds it, GD is optimisation-limited and preconditioning pays off (notes, section 4).
+   exceeds it, GD is optimisation-limited and preconditioning pays off (theory.py, point 3).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Layout of the computation (one `jax.jit`, compiled once per sweep):
       for each optimizer (trace time)     vmap over its hyper-parameter grid (lr, damping, ...)
         lax.scan over T steps             Optax update on W (d x N_max); loss at every step
 
-N enters only through a 0/1 feature mask, so all N share one shape (padding, notes 3.6). The
+N enters only through a 0/1 feature mask, so all N share one shape (padding). The
 problems are fed to that one compiled function in chunks (`compute.chunk` problems per call) so
 that memory stays bounded and a progress bar can advance; with `compute.devices > 1` each chunk
 is sharded over devices along the problem axis. Float64 is switched on only inside

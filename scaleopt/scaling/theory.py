@@ -1,6 +1,6 @@
 r"""Closed forms: the loss after T steps in the eigenbasis, mode counting, anchor exponents.
 
-1. Exact loss after T steps (notes 3.5). For population training (train = test quadratic)
+1. Exact loss after T steps. For population training (train = test quadratic)
    with A = V diag(mu) V^T, b~ = B V, W_0 = 0 and a preconditioner that is a function of A,
    the error E_t = W_t - W_ls obeys E_{t+1} = E_t (I - eta P A), so mode k contracts by
    r_k = 1 - eta p(mu_k) mu_k per step and
@@ -10,7 +10,7 @@ r"""Closed forms: the loss after T steps in the eigenbasis, mode counting, ancho
    gd: p = 1, eta = lr / mu_max;  ng: p = (mu + delta)^{-1}, eta = lr / rho (r_k = delta/(mu_k +
    delta) at lr = 1 when rho = 1);  kron_sqrt: p = (mu + delta)^{-1/2};  delta = damping mu_max.
 
-2. Mode counting (notes 5.1; Bordelon et al. 2024, Maloney et al. 2022 without the random
+2. Mode counting (Bordelon et al. 2024, Maloney et al. 2022 without the random
    projection): per output, with an isotropic teacher the power on latent mode k is lambda_k, and
 
      L(T, N) ~= 1/2 [ sum_{k<=N} lambda_k r_k^{2T} + sum_{k>N} lambda_k ],

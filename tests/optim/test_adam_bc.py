@@ -122,7 +122,7 @@ def test_errors():
 
 
 # ---------------------------------------------------------------------------------------
-# Explicit float64 formulas of every mode (independent re-implementation from the notes)
+# Explicit float64 formulas of every mode (independent re-implementation from the paper's equations)
 
 D_IN, D_OUT = 4, 3
 

@@ -16,7 +16,7 @@ from scaleopt.train import step as step_lib
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "configs" / "optim" / "paper"
 MODEL = {"preset": "tiny", "dtype": "float32", "d_model": 32, "n_layers": 1, "d_ff": 64}
 
-# the paper's values (implementation notes 5.1, 5.3, 5.4), one entry per config
+# the paper's values (its Table 2 rows as the authors' scripts run them), one entry per config
 PAPER = {
     "adamw_loo": dict(name="adamw_bc", learning_rate=9e-4, clip_numerator_only=True,
                       all_dense=False, b1=0.9, b2=0.95, weight_decay=0.1,

@@ -147,7 +147,7 @@ def test_paper_study_claim_cells_run_tiny(corpus, tmp_path, capsys):
 
 
 def test_paper_study_plan_follows_the_paper():
-  """The shipped study against the paper's numbers (notes 5.1, 6.1), not against itself."""
+  """The shipped study against the paper's numbers (its Table 2 setup), not against itself."""
   st = SC.load(PAPER, ["data.path=corpus"])
   cells = st.search_cells()
   assert len(cells) == 2 * 5 + 3
