@@ -111,7 +111,7 @@ class ModelConfig:
   attention_impl: str = "auto"  # auto: cudnn on GPU with 16-bit dtype, else xla
   max_seq_len: int = 1024  # used for FLOP accounting defaults only
   # LM-head matmul output dtype before the cast to float32 logits. False (MaxText's default):
-  # bf16 dot, then float32 (10% faster for gpt2-small on H200); True: float32 dot output.
+  # bf16 dot, then float32 (the faster: docs/models.md); True: float32 dot output.
   logits_dot_in_fp32: bool = False
   # Training loss: fused LM head + cross-entropy without float32 logits (models/loss.py);
   # loss_chunks > 1 slices the sequence axis (less memory, one more head matmul).

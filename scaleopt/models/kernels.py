@@ -14,9 +14,8 @@ twice and writes it once; XLA's form reads it twice in the forward pass (max, su
 and once more, with a write, in the backward pass. The row is read in blocks of ``BLOCK``
 columns, each viewed as ``LANES`` lanes of ``BLOCK / LANES`` columns; every lane keeps its own
 running max and rescaled sum (reductions within the lane, no block-wide reduction per load),
-and the lanes are combined once per row. ``NUM_WARPS`` warps per row. These settings were the
-fastest measured on an H200 at gpt2-small's shapes (``benchmarks/loss_kernel.py``;
-docs/benchmarks.md).
+and the lanes are combined once per row. ``NUM_WARPS`` warps per row. These settings are the
+fastest of those ``benchmarks/loss_kernel.py`` tries at gpt2-small's shapes (docs/benchmarks.md).
 
 **Residual add + RMS norm.** For the residual stream x and a branch output h (``[N, D]``),
 
@@ -29,8 +28,8 @@ cotangents g_s of s and g_n of n, the cotangent of x (and of h), row by row
   g_x = g_s + r g_n - r^3 s mean_j(g_n,j s_j)
 
 in one pass (XLA: a reduction pass, then the elementwise pass). ``ROWS`` rows per program and
-``NORM_WARPS`` warps: every setting from 1 to 8 rows and 1 to 8 warps was within 0.01 ms of
-the fastest on an H100 at gpt2-small's shapes (``benchmarks/norm_kernel.py``).
+``NORM_WARPS`` warps, from the settings ``benchmarks/norm_kernel.py`` tries (its table:
+lab/benchmarks_history.md).
 
 ``interpret=True`` runs the same kernels through the Pallas interpreter (CPU tests).
 """

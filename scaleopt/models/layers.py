@@ -164,7 +164,7 @@ def apply_rope(x_BxTxHxK: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Arra
       y = (x1 cos - x2 sin, x2 cos + x1 sin)
 
   computed as x cos + flip(x) (-sin, sin) over a (2, K/2) view: the same products and sums
-  without concatenating the halves (a 0.2-0.5% faster step on an H200, docs/benchmarks.md).
+  without concatenating the halves (a slightly faster step: docs/benchmarks.md).
   """
   x = x_BxTxHxK.astype(f32)
   *lead, k = x.shape

@@ -1,7 +1,7 @@
 """Named model configurations (all with ``scales='standard'``; use ``with_variant``).
 
-The GPU-size dense presets unroll the whole layer scan (``scan_unroll=0``): the fastest form
-measured on H100/H200 (docs/models.md, Performance); set ``scan_unroll=1`` for a rolled loop
+The GPU-size dense presets unroll the whole layer scan (``scan_unroll=0``): the faster form on
+GPUs (docs/models.md, Performance); set ``scan_unroll=1`` for a rolled loop
 when compile time matters more."""
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def _chunk_fn(s_vals: jax.Array, keys: jax.Array, hypers: tuple, *, spec: prob_l
   (`lax.map`, unbatched), and each vmapped (optimizer, N) block waits for the previous one
   (`optimization_barrier`). jaxlib's batched CPU LAPACK kernels split a batch over XLA's intra-op
   thread pool and block on it; two such kernels in flight at once can take every pool thread and
-  deadlock (observed with jax 0.10.2 on 2 cores). Parallelism stays inside each vmapped op.
+  deadlock. Parallelism stays inside each vmapped op.
   """
   shared = spec.shares_statistics
   quads = jax.vmap(functools.partial(prob_lib.sample_problem, spec=spec))(keys, s_vals)

@@ -80,11 +80,9 @@ class PhasedStep:
     """Compiles the programs of ``keys`` now, one after another (abstract arguments with
     shardings), for their memory analysis (``side_by_side_bytes``).
 
-    The steps run through the jitted functions: on an H200 (jax 0.11.2) the ahead-of-time
-    executables of ``adamw_bc``'s step with cuDNN attention failed at their first run while
-    loading their cuDNN graphs ("capturing stream has unjoined work"), and the jitted calls
-    ran. (On CPU, jax 0.10, a jitted call reuses the ahead-of-time executable in memory; whether
-    it compiled again on the H200 was not logged.)"""
+    The steps run through the jitted functions, not these executables: an ahead-of-time
+    executable of a step with cuDNN attention can fail at its first run on a GPU while loading
+    its cuDNN graphs ("capturing stream has unjoined work"), where the jitted call runs."""
     for k in dict.fromkeys(keys):
       if k not in self._compiled:
         self._compiled[k] = self._program(k).lower(state_arg, batch_arg).compile()

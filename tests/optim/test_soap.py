@@ -263,8 +263,8 @@ def _geqrf_batches(lowered_text):
 
 def test_soap_power_step_keeps_gpu_qr_off_the_small_matrix_kernel(monkeypatch):
   """jaxlib's GPU QR runs a call of B > 1 matrices of size s on cuBLAS's batched kernel for
-  small matrices whenever s // B <= 128 (slow for SOAP's bases, tens of seconds per refresh on
-  an H200); every QR call of the refresh, lowered for CUDA on the GPU code path, must hold one
+  small matrices whenever s // B <= 128 (slow for SOAP's bases: docs/optim_soap.md, "On GPUs");
+  every QR call of the refresh, lowered for CUDA on the GPU code path, must hold one
   matrix or few enough that s // B > 128."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the accelerators' batched path
   tx, _ = optim.build({"name": "soap", "learning_rate": 1.0, "schedule": {"kind": "constant"},
@@ -285,7 +285,7 @@ def test_soap_qr_in_groups_equals_one_call_per_coordinate():
 
 
 def test_soap_refresh_is_a_device_branch():
-  """SOAP's basis refresh is no host-picked program (``phases``): those failed on an H200
+  """SOAP's basis refresh is no host-picked program (``phases``): those failed on a GPU
   (docs/optim_soap.md, "On GPUs"); the trainer then runs SOAP as one program."""
   tx, _ = optim.build({"name": "soap", "learning_rate": 1.0})
   params = {"w": jnp.zeros((6, 5), jnp.float32)}
