@@ -9,8 +9,8 @@ Each step is timed individually (block_until_ready) over ``--steps`` steps after
 steps; roots (Shampoo) / Hessian refreshes (Sophia) / bases (SOAP) every 10 steps, so the mean
 is the amortized cost. The first call (compile + step 0, which builds Shampoo's first roots and
 SOAP's first eigenbases) and step 1 are timed apart and printed as they finish; ``--aot`` runs
-the ahead-of-time executable instead (compile timed apart from step 0; such executables of steps with cuDNN attention can fail
-on a GPU where the jitted call runs).
+the ahead-of-time executable instead (compile timed apart from step 0; such executables of
+steps with cuDNN attention can fail on a GPU where the jitted call runs).
 
   python benchmarks/optim_step_cost.py            # GPU
   python benchmarks/optim_step_cost.py --quick    # tiny model on CPU

@@ -1,6 +1,6 @@
 r"""Random-feature regression with a power-law data spectrum, reduced to quadratic statistics.
 
-Model (the random-feature model of Ramani & Jain, arXiv 2605.29387):
+Model (random features as in Ramani & Jain, arXiv 2605.29387):
 
   latent input   x ~ N(0, Lambda),  Lambda = diag(lambda_1..lambda_M),
                  convention "zipf": lambda_k = k^{-s};  "mrs": lambda_k = k^{-(1+s)}

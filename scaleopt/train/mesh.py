@@ -27,8 +27,8 @@ from scaleopt.train.config import ConfigError, MeshConfig
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 # XLA flags a GPU training process gets from the launcher (``scaleopt train``) unless
-# XLA_FLAGS already sets them: cuBLAS instead of Triton GEMMs (the faster
-# GEMMs for these models: docs/benchmarks.md) and the latency-hiding scheduler (overlaps FSDP all-gathers /
+# XLA_FLAGS already sets them: cuBLAS instead of Triton GEMMs (the faster GEMMs for these
+# models: docs/benchmarks.md) and the latency-hiding scheduler (overlaps FSDP all-gathers /
 # reduce-scatters with compute). XLA ignores GPU flags on other platforms.
 LAUNCH_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",
                     "--xla_gpu_enable_latency_hiding_scheduler=true")
