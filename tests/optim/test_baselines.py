@@ -117,7 +117,7 @@ def test_bad_config_names_the_key(cfg, match):
     optim.build(cfg)
 
 
-# One end-to-end run per optimizer through the trainer (one compile each; ~10-30 s on CPU):
+# One end-to-end run per optimizer through the trainer (one compile each):
 # the eval loss is the method's own (schedule-free's averaged point) on the validation files.
 @pytest.mark.integration  # a whole training run: make test-integration
 @pytest.mark.parametrize("name, lr", [("lion", 2e-3), ("adafactor", 5e-2),

@@ -218,7 +218,7 @@ def test_shampoo_bc_vmap_equals_scan():
 
 # ----------------------------------------------------------------------------- memory
 
-@pytest.mark.integration  # six compiles (~10 s)
+@pytest.mark.integration  # six compiles
 def test_compiled_memory_grows_by_m_gradient_copies():
   """One-pass LOO and vmapped microbatches hold the m float32 gradients: from m to 2m
   microbatches their compiled temporaries grow by m x params x 4 bytes, the two-pass scan's

@@ -17,7 +17,7 @@ def _run(*args):
                         env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.integration  # two compiles of a small decoder in a subprocess (~30 s on CPU)
+@pytest.mark.integration  # two compiles of a small decoder in a subprocess
 def test_quick_table():
   out = _run("--forms", "adamw,loo 1-pass bf16")
   assert out.returncode == 0, out.stderr[-2000:]

@@ -218,7 +218,7 @@ print(temp(16) - temp(8), temp(16, loo_storage="bfloat16") - temp(8, loo_storage
 """
 
 
-@pytest.mark.integration  # a subprocess with 2 simulated devices (~12 s)
+@pytest.mark.integration  # a subprocess with 2 simulated devices
 def test_stored_gradients_are_sharded_like_the_parameters():
   """FSDP on 2 simulated devices: 8 more stored float32 gradients cost each device
   8 x params x 4 / 2 bytes (half of them; replicated stacks would cost all), bfloat16 a quarter

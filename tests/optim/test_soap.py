@@ -322,7 +322,7 @@ def test_soap_bc_folds_rotate_only_their_own_gradient():
   assert _dots_in_scans(jaxpr.jaxpr)[1:] == [0, 2]  # the gradients' scan, the folds' scan
 
 
-@pytest.mark.integration  # SOAP and SOAP-BC compiled side by side (~18 s on 2 cores)
+@pytest.mark.integration  # SOAP and SOAP-BC compiled side by side
 def test_soap_bc_std_warmup_takes_soaps_update_on_the_first_k_calls():
   """std_warmup_steps=K: calls 0..K give SOAP's own updates (call 0 only builds the basis),
   call K+1 the LOO form's; per coordinate, on one stream of microbatch gradients (the state

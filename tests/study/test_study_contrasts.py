@@ -126,7 +126,7 @@ def test_paper_study_runs_tiny_and_its_contrasts_match_scipy(corpus, tmp_path, c
   assert [r[2] for r in table] == ["2"] * 5 + ["1"] * 3
 
 
-@pytest.mark.integration  # a subset of the every-arm run above (~28 s)
+@pytest.mark.integration  # a subset of the every-arm run above
 def test_paper_study_claim_cells_run_tiny(corpus, tmp_path, capsys):
   """The paper's claim as a contrast, on its own: arms 1 and 3 (`adamw`, `loo_paper`) at
   both seeds through the shipped config, tiny (the vmap engine: one compile per arm); the
