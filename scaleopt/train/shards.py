@@ -89,7 +89,7 @@ def read_shard(bin_path: pathlib.Path) -> tuple[np.ndarray, dict]:
 def check_token_range(arr: np.ndarray, vocab_size: int, path, chunk: int = 1 << 24) -> None:
   """DataError naming the file and the first position of a token >= ``vocab_size``.
 
-  Reads the shard once, ``chunk`` tokens at a time (about 1 s per GB from the page cache).
+  Reads the shard once, ``chunk`` tokens at a time.
   """
   for i in range(0, arr.size, chunk):
     part = np.asarray(arr[i:i + chunk])
