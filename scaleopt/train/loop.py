@@ -353,21 +353,21 @@ def run_cells(cfg: TrainConfig, parts: Setup, cells: Cells, state, step0: int,
   for t in range(step0, run.steps):
     batch = cells.feed.next()
     prof.before(t)
-    state, m = cells.step(state, batch)
+    state, step_metrics = cells.step(state, batch)
     res.done = done = t + 1
-    prof.after(done, m["loss"])
+    prof.after(done, step_metrics["loss"])
     if meter.compile_s is None:
-      jax.block_until_ready(m["loss"])
+      jax.block_until_ready(step_metrics["loss"])
       meter.first_step_done(done)
     elif cells.step.fresh:  # a host-picked program's first run
-      jax.block_until_ready(m["loss"])
+      jax.block_until_ready(step_metrics["loss"])
       meter.restart(done)
-    pending.append(m)
+    pending.append(step_metrics)
     if len(behind) == 2:
       consec = np.reshape(jax.device_get(behind.pop(0)), (n,))
       cells.step.confirm(bool(consec[0] > 0))  # host-picked programs: one cell only
       res.diverged |= consec >= run.max_consecutive_skips
-    behind.append(m["consec"])
+    behind.append(step_metrics["consec"])
     res.interrupted = cells.stop(done)
     is_eval = (run.eval_every and done % run.eval_every == 0) or done == run.steps
     if (done % run.log_every == 0 or is_eval or res.diverged.all()
