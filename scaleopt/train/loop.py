@@ -261,6 +261,9 @@ def _train(cfg: TrainConfig, out: pathlib.Path, resume: bool, parts: Optional[Se
     meter.resume(metrics.read_metrics(log.path))
   shape, feed = batch_shape(parts), None
 
+  def to_devices(batch: dict) -> dict:
+    return {k: mesh_lib.put_global(compiled.batch_sh, v, shape) for k, v in batch.items()}
+
   def save(st, step: int, only_if_sound: bool = False) -> bool:
     consec, norm = jax.device_get(health(st))
     if only_if_sound and ckpt.exploded(float(norm)):
@@ -272,10 +275,7 @@ def _train(cfg: TrainConfig, out: pathlib.Path, resume: bool, parts: Optional[Se
   try:  # host-picked programs compile here (timed as compile)
     step = phased_lib.make_stepper(compiled, state, step0, run.steps,
                                    abstract_batch(parts, compiled.batch_sh))
-    feed = prefetch.Prefetch(batches, lambda b: {k: mesh_lib.put_global(compiled.batch_sh, v,
-                                                                        shape)
-                                                 for k, v in b.items()},
-                             max(0, run.steps - step0))
+    feed = prefetch.Prefetch(batches, to_devices, max(0, run.steps - step0))
     cells = Cells(1, step, feed, [log], lambda st: np.array([evaluate(
         optim.eval_params(st.opt_state, st.params))]), save, sig.stop,
         metrics.Profile(out / "profile", run.profile))
