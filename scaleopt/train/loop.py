@@ -589,13 +589,6 @@ def log_line(row: dict, steps: int) -> str:
   return " ".join(parts)
 
 
-def _per_cell(m: dict, n: int) -> list[dict]:
-  """A step's host metrics (scalars, each with a leading cell axis or, for the ordinary run,
-  none) as one dict of scalars per cell."""
-  flat = {k: np.reshape(v, (n,)) for k, v in m.items()}
-  return [{k: v[i] for k, v in flat.items()} for i in range(n)]
-
-
 def run_cells(cfg: TrainConfig, s: Setup, cells: Cells, state, step0: int,
               meter: metrics.Meter, is_main: bool = True) -> tuple[Outcome, Any]:
   """The host loop from ``step0`` to ``run.steps`` or a stop: ``(outcome, final state)``.
@@ -671,8 +664,7 @@ def _log(cfg, cells: Cells, res: Outcome, state, fetched: list, meter, is_eval: 
   n, done = cells.n, res.done
   tps = meter.interval(done)  # of all cells together
   res.last_losses = np.asarray([np.reshape(f["loss"], (n,)) for f in fetched], np.float64)
-  rows = [metrics.step_row(done, m, done * meter.tps_unit // n, tps / n, meter, n)
-          for m in _per_cell(fetched[-1], n)]
+  rows = metrics.step_rows(done, fetched, done * meter.tps_unit // n, tps / n, meter, n)
   if is_eval:
     res.eval_loss = cells.evaluate(state)
     meter.pause_done()

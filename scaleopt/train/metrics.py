@@ -25,6 +25,7 @@ import time
 from typing import Any, Optional
 
 import jax
+import numpy as np
 
 from scaleopt.train.config import ConfigError
 
@@ -219,15 +220,36 @@ class Meter:
 
 
 def step_row(step: int, last: dict, tokens: int, tokens_per_s: float, meter: Meter,
-             cells: int = 1) -> dict:
+             cells: int = 1, window: Optional[list[dict]] = None) -> dict:
   """One metrics.jsonl row from the host copy of a step's metrics (``last``: name -> scalar);
   the skip counters as integers; the meter's cumulative timing (``wall_s``: a cell's share
-  of the wall time when ``cells`` train in one program)."""
-  row = {"step": step, **{k: float(v) for k, v in last.items()}, "tokens": tokens,
-         "tokens_per_s": tokens_per_s, "wall_s": meter.wall() / cells,
+  of the wall time when ``cells`` train in one program). ``window``: the host metrics of every
+  step since the previous row (``last`` among them; None: ``last`` alone), for the fraction of
+  them whose gradient was clipped (``clip_fraction``, from the steps' ``clip_fired``)."""
+  fired = [float(m["clip_fired"]) for m in (window or [last]) if "clip_fired" in m]
+  row = {"step": step, **{k: float(v) for k, v in last.items() if k != "clip_fired"},
+         "tokens": tokens, "tokens_per_s": tokens_per_s, "wall_s": meter.wall() / cells,
          "train_s": meter.train_s, "timed_steps": meter.timed_steps}
+  if fired:
+    row["clip_fraction"] = sum(fired) / len(fired)
   row["skipped"], row["consec"] = int(row["skipped"]), int(row["consec"])
   return row
+
+
+def per_cell(m: dict, n: int) -> list[dict]:
+  """A step's host metrics (scalars, each with a leading cell axis or, for the ordinary run,
+  none) as one dict of scalars per cell."""
+  flat = {k: np.reshape(v, (n,)) for k, v in m.items()}
+  return [{k: v[i] for k, v in flat.items()} for i in range(n)]
+
+
+def step_rows(step: int, fetched: list[dict], tokens: int, tokens_per_s: float, meter: Meter,
+              cells: int = 1) -> list[dict]:
+  """``step_row`` per cell, from the host metrics of every step since the previous row
+  (``fetched``, oldest first; each value with a leading cell axis when ``cells`` > 1)."""
+  steps = [per_cell(m, cells) for m in fetched]
+  return [step_row(step, steps[-1][i], tokens, tokens_per_s, meter, cells,
+                   window=[s[i] for s in steps]) for i in range(cells)]
 
 
 class MetricsLog:
