@@ -215,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
   dp.add_argument("--quiet", action="store_true", help="no progress lines")
   dp.add_argument("--tokenizer", default="bytes",
                   help="bytes | bpe:VOCAB_SIZE (train a byte-level BPE on the training split) | "
-                  "PATH/tokenizer.json[#SEPARATOR_TOKEN] (e.g. Qwen2.5's)")
+                  "PATH/tokenizer.json[#SEPARATOR_TOKEN] (e.g. Qwen2.5's); default: bytes "
+                  "(one token per UTF-8 byte, vocabulary 256)")
   dp.set_defaults(fn=_data_prepare)
 
   c = sub.add_parser("convert", help="Hugging Face safetensors <-> scaleopt parameters")
@@ -227,7 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
   ce = csub.add_parser("export", help="a run, checkpoint or converted directory -> safetensors")
   ce.add_argument("--from", dest="source", required=True,
                   help="run directory, RUN/checkpoints/N, or a `convert import` directory")
-  ce.add_argument("--out", required=True)
+  ce.add_argument("--out", required=True,
+                  help="the Hugging Face folder to write (config.json, model.safetensors, "
+                  "tokenizer files): a new or empty folder, or an earlier export, which is "
+                  "replaced as a whole")
   ce.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   ce.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   ce.set_defaults(fn=_convert)
