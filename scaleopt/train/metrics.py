@@ -327,10 +327,9 @@ def write_summary(out_dir: pathlib.Path, summary: dict) -> None:
 
 def plot_curves(runs: dict[str, list[dict]], path: pathlib.Path, title: str = "") -> None:
   """Train (thin) and eval (markers) loss against step for one or more runs."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
+  from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
+  fig = Figure(figsize=(6, 4))
+  ax = fig.subplots()
   for i, (name, rows) in enumerate(runs.items()):
     color = f"C{i}"
     tr = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
@@ -347,4 +346,3 @@ def plot_curves(runs: dict[str, list[dict]], path: pathlib.Path, title: str = ""
   ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=120)
-  plt.close(fig)
