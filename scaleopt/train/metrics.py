@@ -25,7 +25,6 @@ import time
 from typing import Any, Optional
 
 import jax
-import numpy as np
 
 from scaleopt.train.config import ConfigError
 
@@ -234,22 +233,6 @@ def step_row(step: int, last: dict, tokens: int, tokens_per_s: float, meter: Met
     row["clip_fraction"] = sum(fired) / len(fired)
   row["skipped"], row["consec"] = int(row["skipped"]), int(row["consec"])
   return row
-
-
-def per_cell(m: dict, n: int) -> list[dict]:
-  """A step's host metrics (scalars, each with a leading cell axis or, for the ordinary run,
-  none) as one dict of scalars per cell."""
-  flat = {k: np.reshape(v, (n,)) for k, v in m.items()}
-  return [{k: v[i] for k, v in flat.items()} for i in range(n)]
-
-
-def step_rows(step: int, fetched: list[dict], tokens: int, tokens_per_s: float, meter: Meter,
-              cells: int = 1) -> list[dict]:
-  """``step_row`` per cell, from the host metrics of every step since the previous row
-  (``fetched``, oldest first; each value with a leading cell axis when ``cells`` > 1)."""
-  steps = [per_cell(m, cells) for m in fetched]
-  return [step_row(step, steps[-1][i], tokens, tokens_per_s, meter, cells,
-                   window=[s[i] for s in steps]) for i in range(cells)]
 
 
 class MetricsLog:

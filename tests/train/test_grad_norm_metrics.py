@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from scaleopt.train import config as C, loop, metrics
+from scaleopt.train import config as C, loop, metrics, progress
 
 from train_helpers import compiled_steps, tiny_raw
 
@@ -38,7 +38,7 @@ def test_grad_norm_is_the_pre_clip_norm(clip_norm):
                              rtol=2e-5)
 
 
-def test_step_rows_clip_fraction_over_the_window():
+def test_rows_clip_fraction_over_the_window():
   """Each cell's row: the last step's values, ``clip_fraction`` over every step of the window,
   no per-step flag."""
   fetched = [{"loss": np.array([1.0, 2.0]), "clip_fired": np.array([1.0, 0.0]),
@@ -47,7 +47,7 @@ def test_step_rows_clip_fraction_over_the_window():
               "skipped": np.array([0, 0]), "consec": np.array([0, 0])},
              {"loss": np.array([5.0, 6.0]), "clip_fired": np.array([0.0, 0.0]),
               "skipped": np.array([0, 1]), "consec": np.array([0, 1])}]
-  rows = metrics.step_rows(30, fetched, 100, 1.0, metrics.Meter(10), cells=2)
+  rows = progress.rows(30, fetched, 2, metrics.Meter(10), 1.0)
   assert [r["loss"] for r in rows] == [5.0, 6.0]
   assert [r["clip_fraction"] for r in rows] == [2 / 3, 1 / 3]
   assert all("clip_fired" not in r for r in rows)
