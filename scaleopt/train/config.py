@@ -301,6 +301,11 @@ def from_dict(raw: dict) -> TrainConfig:
   if d.source == "shards" and not d.path:
     raise ConfigError("config key 'data.path' is required when data.source='shards' (a "
                       "directory written by `scaleopt data prepare`)")
+  if d.source != "shards" and d.path:
+    raise ConfigError(f"config key 'data.path'={d.path!r} is read only with "
+                      f"data.source=shards, and data.source is {d.source!r} (the run would "
+                      f"train on the {d.source} corpus); add --set data.source=shards to train "
+                      "on those shards, or leave data.path out")
   if m.data != -1 and m.data <= 0:
     raise fail("mesh.data", m.data, "must be > 0 or -1 (every device not used by fsdp x tensor)")
   model = model_spec(raw.get("model") or {})
