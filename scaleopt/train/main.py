@@ -49,11 +49,12 @@ def train_main(config_path: str, out_dir: str, overrides: list[str] | None = Non
   except faults.Interrupted as e:
     print(f"interrupted: {e}", file=sys.stderr)
     return faults.EXIT_SIGNAL
+  ev = summary["final_eval_loss"]
+  ev = ("no evaluation (run.eval_tokens=0)" if cfg.run.eval_tokens == 0 or ev is None
+        or ev != ev else f"eval loss {ev:.4f}")
   if summary["final_train_loss"] is None:  # resumed a finished run: nothing was trained
-    print(f"done: already at step {summary['steps']}, eval loss "
-          f"{summary['final_eval_loss']:.4f}; outputs in {out_dir}")
+    print(f"done: already at step {summary['steps']}, {ev}; outputs in {out_dir}")
     return 0
-  print(f"done: {summary['steps']} steps, train loss {summary['final_train_loss']:.4f}, eval "
-        f"loss {summary['final_eval_loss']:.4f}, {summary['tokens_per_s']:.0f} tokens/s; "
-        f"outputs in {out_dir}")
+  print(f"done: {summary['steps']} steps, train loss {summary['final_train_loss']:.4f}, {ev}, "
+        f"{summary['tokens_per_s']:.0f} tokens/s; outputs in {out_dir}")
   return 0
