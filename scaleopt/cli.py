@@ -7,6 +7,7 @@
                  [--max-minutes M] [--shard i/n] [--claim TOKEN] [--report-only] [--list]
   scaleopt data prepare --input FILE_OR_DIR --out DIR [--tokenizer bytes|bpe:VOCAB|tokenizer.json]
                         [--text-field text] [--val-fraction 0.05] [--include GLOB ...]
+                        [--skip-bad-records [--max-bad-records N]]
   scaleopt convert import --hf HF_DIR --out PARAMS_DIR      (Qwen2/Llama safetensors -> Orbax)
   scaleopt convert export --from RUN_OR_PARAMS_DIR --out HF_DIR [--step N] [--dtype bfloat16]
   scaleopt bias-study [--out results/bias_reduction.md]
@@ -104,7 +105,8 @@ def _data_prepare(args: argparse.Namespace) -> int:
   return prepare_main(args.input, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
                       val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
                       include=tuple(args.include), bpe_sample_mb=args.bpe_sample_mb,
-                      progress=not args.quiet) or 0
+                      progress=not args.quiet, skip_bad_records=args.skip_bad_records,
+                      max_bad_records=args.max_bad_records) or 0
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -214,9 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
                   help="train bpe:VOCAB on about this much training text, sampled across the "
                   "inputs (default: all of it)")
   dp.add_argument("--quiet", action="store_true", help="no progress lines")
+  dp.add_argument("--skip-bad-records", action="store_true",
+                  help="leave out records that cannot be read (a JSONL line that is not a JSON "
+                  "object, a text field that is missing, null or not a string), counted in the "
+                  "summary and manifest.json, instead of stopping at the first")
+  dp.add_argument("--max-bad-records", type=int, default=None, metavar="N",
+                  help="with --skip-bad-records: stop once more than N records were left out "
+                  "(default 1000)")
   dp.add_argument("--tokenizer", default="bytes",
                   help="bytes | bpe:VOCAB_SIZE (train a byte-level BPE on the training split) | "
-                  "PATH/tokenizer.json[#SEPARATOR_TOKEN] (e.g. Qwen2.5's)")
+                  "PATH/tokenizer.json[#SEPARATOR_TOKEN] (e.g. Qwen2.5's); default: bytes "
+                  "(one token per UTF-8 byte, vocabulary 256)")
   dp.set_defaults(fn=_data_prepare)
 
   c = sub.add_parser("convert", help="Hugging Face safetensors <-> scaleopt parameters")
@@ -228,7 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
   ce = csub.add_parser("export", help="a run, checkpoint or converted directory -> safetensors")
   ce.add_argument("--from", dest="source", required=True,
                   help="run directory, RUN/checkpoints/N, or a `convert import` directory")
-  ce.add_argument("--out", required=True)
+  ce.add_argument("--out", required=True,
+                  help="the Hugging Face folder to write (config.json, model.safetensors, "
+                  "tokenizer files): a new or empty folder, or an earlier export, which is "
+                  "replaced as a whole")
   ce.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   ce.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   ce.set_defaults(fn=_convert)

@@ -1,23 +1,25 @@
-"""PNG plots of a sweep: loss vs N, alpha vs s with the theory overlay, the fit-window report."""
+"""PNG plots of a sweep: loss vs N, alpha vs s with the theory overlay, the fit-window report.
+
+Figures are ``matplotlib.figure.Figure`` objects written straight to their files: nothing here
+touches pyplot's figure manager or the backend, so importing this module in a notebook leaves
+the notebook's own (inline) figures alone."""
 
 from __future__ import annotations
 
 import pathlib
 from typing import Sequence
 
-import matplotlib
 import matplotlib.ticker
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import numpy as np
+from matplotlib.figure import Figure
 
 
 def _panels(k: int):
   """A grid of k panels, three per row; unused panels switched off."""
   cols = min(3, k)
   rows = -(-k // cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+  fig = Figure(figsize=(4.2 * cols, 3.4 * rows))
+  axes = fig.subplots(rows, cols, squeeze=False)
   for ax in list(axes.flat)[k:]:
     ax.axis("off")
   return fig, axes
@@ -43,14 +45,14 @@ def plot_loss_vs_n(loss_rows: Sequence[dict], path: pathlib.Path) -> None:
   axes.flat[0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
 
 
 def plot_alpha_vs_s(alpha_rows: Sequence[dict], path: pathlib.Path,
                     theory: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
   """alpha(s) per optimizer with bootstrap intervals (left) and the shift over the baseline."""
   names = list(dict.fromkeys(r["optimizer"] for r in alpha_rows))
-  fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+  fig = Figure(figsize=(10, 3.8))
+  a1, a2 = fig.subplots(1, 2)
   for nm in names:
     pts = sorted((r for r in alpha_rows if r["optimizer"] == nm), key=lambda r: r["s"])
     s = np.array([r["s"] for r in pts])
@@ -73,13 +75,13 @@ def plot_alpha_vs_s(alpha_rows: Sequence[dict], path: pathlib.Path,
   a2.set_ylabel("alpha shift over baseline")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
 
 
 def plot_theory_overlay(n: np.ndarray, sim: dict[str, np.ndarray], theory: dict[str, np.ndarray],
                         path: pathlib.Path, title: str = "") -> None:
   """Simulated (markers) vs closed-form (lines) loss vs N for each optimizer."""
-  fig, ax = plt.subplots(figsize=(5, 3.8))
+  fig = Figure(figsize=(5, 3.8))
+  ax = fig.subplots()
   for i, nm in enumerate(sim):
     ax.plot(n, sim[nm], "o", color=f"C{i}", label=f"{nm} simulated")
     if nm in theory:
@@ -92,7 +94,6 @@ def plot_theory_overlay(n: np.ndarray, sim: dict[str, np.ndarray], theory: dict[
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
 
 
 def plot_window(alpha_rows: Sequence[dict], path: pathlib.Path) -> None:
@@ -121,7 +122,6 @@ def plot_window(alpha_rows: Sequence[dict], path: pathlib.Path) -> None:
                fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
 
 
 def theory_curves(cfg: dict, points: int = 13) -> dict[str, tuple[np.ndarray, np.ndarray]]:

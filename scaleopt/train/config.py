@@ -98,22 +98,30 @@ class TrainConfig:
   model: "ModelSpec"  # preset + ModelConfig fields + wd_policy, the preset resolved once
   optimizer: "OptimizerConfig"  # typed through the optimizer registry (scaleopt.optim)
   mesh: MeshConfig
+  # the optimizer.schedule.warmup_steps the config wrote, where it was shortened to fit
+  # run.steps (``_fit_warmup``; the optimizer is built with the shortened one); None otherwise
+  written_warmup: Optional[int] = None
 
   def to_dict(self) -> dict:
-    out = {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+    """The config as the user wrote it (what ``config.yaml`` records and a resume compares):
+    every key, the model section as written, a fitted warm-up as written."""
+    out = {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)
+           if f.name != "written_warmup"}
+    if self.written_warmup is not None:
+      out["optimizer"]["schedule"]["warmup_steps"] = self.written_warmup
     return {**out, "model": to_dict(self.model.section)}
 
 
 _SECTIONS = {"run": RunConfig, "data": DataConfig, "mesh": MeshConfig}
 
 
-def _check_optimizer(opt: Any, steps: int) -> dict:
+def _check_optimizer(opt: Any, steps: int) -> tuple["OptimizerConfig", Optional[int]]:
   """The optimizer section typed through the optimizer registry: ``name`` is a registered name
   (``scaleopt.optim.names()``), every other key is typed by ``OptimizerConfig``'s field of that
   name, ``schedule`` by ``ScheduleConfig`` (``total_steps`` defaults to ``run.steps``) and
   ``extra`` by the optimizer's registered config class. Returns the typed ``OptimizerConfig``
   (every key, with its default where the file sets none), whose values ``_check_values``
-  checks."""
+  checks, and the warm-up as written where ``_fit_warmup`` shortened it (else None)."""
   from scaleopt import optim
   from scaleopt.optim.schedules import ScheduleConfig
   if not isinstance(opt, dict):
@@ -127,13 +135,13 @@ def _check_optimizer(opt: Any, steps: int) -> dict:
   hints = typing.get_type_hints(optim.OptimizerConfig)
   kw = {k: convert(v, hints[k], f"optimizer.{k}") for k, v in opt.items()
         if k not in ("schedule", "extra")}
-  sched = opt.get("schedule")
-  if sched is None or (isinstance(sched, dict) and "total_steps" not in sched):
-    sched = _fit_warmup({**(sched or {}), "total_steps": steps})
+  sched, written = opt.get("schedule"), None
+  if sched is None or (isinstance(sched, dict) and sched.get("total_steps", steps) == steps):
+    sched, written = _fit_warmup({**(sched or {}), "total_steps": steps})
   kw["extra"] = convert(opt.get("extra") or {}, dict, "optimizer.extra")
   try:
     kw["schedule"] = parse(ScheduleConfig, sched, "optimizer.schedule")
-    return _check_values(optim.OptimizerConfig(**kw))
+    return _check_values(optim.OptimizerConfig(**kw)), written
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config section 'optimizer': {e}") from None
 
@@ -152,26 +160,31 @@ def _check_values(opt: "OptimizerConfig") -> "OptimizerConfig":
   return opt
 
 
-def _fit_warmup(sched: dict) -> dict:
-  """A schedule whose ``total_steps`` is ``run.steps`` (none set) with ``warmup_steps``
-  shortened to what the run has room for, with a one-line notice: a short smoke run
-  (``--set run.steps=10``) of a config written for hundreds of steps then trains instead of
-  being refused. A ``total_steps`` the config sets itself is never changed (there a too-long
-  warmup is an error naming both keys)."""
+def _fit_warmup(sched: dict, note: bool = True) -> tuple[dict, Optional[int]]:
+  """A schedule that ends with the run (``total_steps`` unset, so ``run.steps``, or set to
+  ``run.steps``) with ``warmup_steps`` shortened to what the run has room for, with a one-line
+  notice: a short smoke run (``--set run.steps=10``) of a config written for hundreds of steps
+  then trains instead of being refused. Returns the schedule and the warm-up as written when
+  it was shortened (else None): the run records what was written (``TrainConfig.to_dict``),
+  so ``--resume`` with a longer ``run.steps`` fits it again instead of seeing a changed key. A
+  ``total_steps`` the config sets to another value is never changed (there a too-long warmup
+  is an error naming both keys)."""
   from scaleopt.optim.schedules import ScheduleConfig
   w, total = sched.get("warmup_steps", 0), sched["total_steps"]
   kind = sched.get("kind", ScheduleConfig.kind)
   frac = sched.get("decay_fraction", ScheduleConfig.decay_fraction)
   if (kind == "constant" or not isinstance(w, int) or isinstance(w, bool)
       or not isinstance(total, int) or not isinstance(frac, (int, float))):
-    return sched  # nothing to fit, or a bad value that parse() names
+    return sched, None  # nothing to fit, or a bad value that parse() names
   room = total - (int(round(frac * total)) if kind == "wsd" else 0)
   if w <= max(room, 0):
-    return sched
+    return sched, None
   fit = max(room, 0)
-  print(f"note: optimizer.schedule.warmup_steps={w} does not fit run.steps={total}; warming "
-        f"up over {fit} steps (set optimizer.schedule.warmup_steps to choose)", file=sys.stderr)
-  return {**sched, "warmup_steps": fit}
+  if note:
+    print(f"note: optimizer.schedule.warmup_steps={w} does not fit run.steps={total}; warming "
+          f"up over {fit} steps (set optimizer.schedule.warmup_steps to choose)",
+          file=sys.stderr)
+  return {**sched, "warmup_steps": fit}, w
 
 
 @dataclasses.dataclass
@@ -301,11 +314,16 @@ def from_dict(raw: dict) -> TrainConfig:
   if d.source == "shards" and not d.path:
     raise ConfigError("config key 'data.path' is required when data.source='shards' (a "
                       "directory written by `scaleopt data prepare`)")
+  if d.source != "shards" and d.path:
+    raise ConfigError(f"config key 'data.path'={d.path!r} is read only with "
+                      f"data.source=shards, and data.source is {d.source!r} (the run would "
+                      f"train on the {d.source} corpus); add --set data.source=shards to train "
+                      "on those shards, or leave data.path out")
   if m.data != -1 and m.data <= 0:
     raise fail("mesh.data", m.data, "must be > 0 or -1 (every device not used by fsdp x tensor)")
   model = model_spec(raw.get("model") or {})
-  opt = _check_optimizer(_resolve_block_shards(raw.get("optimizer"), m), r.steps)
-  return TrainConfig(model=model, optimizer=opt, **secs)
+  opt, written = _check_optimizer(_resolve_block_shards(raw.get("optimizer"), m), r.steps)
+  return TrainConfig(model=model, optimizer=opt, **secs, written_warmup=written)
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -395,6 +413,22 @@ def saved_section(run_dir: str | pathlib.Path, name: str) -> Any:
   return model_spec(section) if name == "model" else parse(_SECTIONS[name], section, name)
 
 
+WARMUP_KEY = "optimizer.schedule.warmup_steps"
+
+
+def _fitted_before(saved: dict, cfg: TrainConfig) -> bool:
+  """A run recorded with its fitted warm-up (not as written): the saved warm-up is what the
+  requested one fits to at the saved schedule's length, so the user did not change it."""
+  sched = (saved.get("optimizer") or {}).get("schedule")
+  if not isinstance(sched, dict) or not isinstance(sched.get("total_steps"), int):
+    return False
+  want = cfg.to_dict()["optimizer"]["schedule"]
+  if want["warmup_steps"] == sched.get("warmup_steps"):
+    return False
+  fitted, written = _fit_warmup({**want, "total_steps": sched["total_steps"]}, note=False)
+  return written is not None and fitted["warmup_steps"] == sched.get("warmup_steps")
+
+
 def check_resume(cfg: TrainConfig, run_dir: str | pathlib.Path) -> dict[str, tuple]:
   """Compares the requested config with the run's saved one (reads only); returns the
   resumable changes, raises ConfigError naming every other changed key."""
@@ -402,6 +436,8 @@ def check_resume(cfg: TrainConfig, run_dir: str | pathlib.Path) -> dict[str, tup
   if saved is None:
     return {}
   changes = config_changes(saved, yaml.safe_load(yaml.safe_dump(cfg.to_dict())))
+  if _fitted_before(saved, cfg):
+    changes.pop(WARMUP_KEY)
   bad = [k for k in changes if not any(k == r or k.startswith(r + ".") for r in RESUMABLE)]
   if bad:
     what = ", ".join(f"{k} ({changes[k][0]!r} -> {changes[k][1]!r})" for k in bad)

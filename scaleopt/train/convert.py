@@ -3,6 +3,9 @@
   scaleopt convert import --hf HF_DIR --out PARAMS_DIR
   scaleopt convert export --from SOURCE --out HF_DIR [--step N] [--dtype float32|bfloat16]
 
+An export goes to a new or empty HF_DIR or replaces an earlier export there as a whole (written
+beside it, then renamed into place: ``export_hf``).
+
 A converted directory (``import``) holds ``model.json`` (the ModelConfig fields), ``params/``
 (an Orbax checkpoint of the parameter tree, float32) and ``hf/`` (the source's config.json and
 tokenizer files, copied back on export). A parameter SOURCE is any of
@@ -28,6 +31,7 @@ import json
 import pathlib
 import shutil
 import sys
+import tempfile
 from typing import Any, Optional
 
 import jax
@@ -109,7 +113,9 @@ def _restore_params(directory: pathlib.Path) -> dict:
   TrainState), as numpy arrays; nothing else is read."""
   import orbax.checkpoint as ocp
   ckptr = ocp.PyTreeCheckpointer()
-  tree = ckptr.metadata(directory).item_metadata.tree
+  # the tree's own metadata: a run's checkpoint keeps the checkpoint-level metadata one folder
+  # up (``CheckpointManager``), where ``ckptr.metadata`` would not find it
+  tree = ocp.PyTreeCheckpointHandler().metadata(directory).tree
   sub = "params" in tree and "opt_state" in tree
   meta = tree["params"] if sub else tree
   abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), meta)
@@ -238,24 +244,81 @@ def _trained_seq_len(run_dir: pathlib.Path) -> Optional[int]:
   return None if d is None else d.seq_len
 
 
+# what an export writes: a folder holding only these (config.json and model.safetensors among
+# them) is an earlier export, which a new export replaces as a whole
+EXPORT_FILES = frozenset(HF_EXTRAS + ("model.safetensors", "TOKENIZER.md"))
+
+
+def _check_export_target(out: pathlib.Path) -> None:
+  """Refuses an ``--out`` that is a file, or a folder holding anything but an earlier export."""
+  if out.exists() and not out.is_dir():
+    raise SourceError(f"--out {str(out)!r} is a file; name a new or empty folder")
+  if not out.is_dir():
+    return
+  entries = list(out.iterdir())
+  names = {p.name for p in entries}
+  earlier = ({"config.json", "model.safetensors"} <= names and names <= EXPORT_FILES
+             and all(p.is_file() and not p.is_symlink() for p in entries))
+  if entries and not earlier:
+    foreign = sorted(names - EXPORT_FILES) or sorted(names)
+    raise SourceError(f"--out {str(out)!r} is not empty and is not an earlier export (it holds "
+                      f"{', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); name a "
+                      "new or empty folder")
+
+
+def _publish(tmp: pathlib.Path, out: pathlib.Path) -> None:
+  """Gives the finished export in ``tmp`` (beside ``out``) the name ``out``: the files the
+  mode of a freshly written one (the umask's), then a rename; an earlier export (or an empty
+  folder) at ``out`` is renamed aside first and deleted once the new one is in place."""
+  mode = (tmp / "config.json").stat().st_mode & 0o777
+  for f in tmp.iterdir():
+    f.chmod(mode)
+  tmp.chmod(mode | (mode & 0o444) >> 2)  # directories: searchable where readable
+  if not out.exists():
+    tmp.rename(out)
+    return
+  old = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
+  old.rmdir()
+  out.rename(old)
+  try:
+    tmp.rename(out)
+  except OSError:
+    old.rename(out)
+    raise
+  shutil.rmtree(old, ignore_errors=True)
+
+
 def export_hf(source: str | pathlib.Path, out: str | pathlib.Path, step: Optional[int] = None,
               dtype: str = "float32") -> models.ModelConfig:
   """Writes a Hugging Face directory (config.json, model.safetensors, tokenizer files). From
   a run: its tokenizer (``_run_tokenizer``), bos/eos ids and ``max_position_embeddings`` =
-  the trained ``data.seq_len``."""
+  the trained ``data.seq_len``.
+
+  ``out`` is a new or empty folder or an earlier export (``EXPORT_FILES``), refused otherwise
+  before anything is read. The export is written into a temporary folder beside ``out`` and
+  renamed into place when complete (``_publish``): a failed export leaves ``out`` as it was,
+  and nothing of an earlier export (a BPE run's tokenizer.json) survives into a new one."""
+  out = pathlib.Path(out).absolute()
+  _check_export_target(out)
   src = open_source(source, step)
   params = read_params(src)
-  out = pathlib.Path(out)
-  base, cfg = None, src.cfg
-  if src.hf_dir is not None:
-    if out.absolute() != src.hf_dir.absolute():
-      _copy_extras(src.hf_dir, out)
-    if (src.hf_dir / "config.json").is_file():
-      base = json.loads((src.hf_dir / "config.json").read_text())
-  if src.run_dir is not None:
-    base = {**(base or {}), **_run_tokenizer(src.run_dir, out)}
-    cfg = dataclasses.replace(cfg, max_seq_len=_trained_seq_len(src.run_dir) or cfg.max_seq_len)
-  hf.save_hf(out, cfg, params, base_config=base, dtype=dtype)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+  try:
+    base, cfg = None, src.cfg
+    if src.hf_dir is not None:
+      _copy_extras(src.hf_dir, tmp)
+      if (src.hf_dir / "config.json").is_file():
+        base = json.loads((src.hf_dir / "config.json").read_text())
+    if src.run_dir is not None:
+      base = {**(base or {}), **_run_tokenizer(src.run_dir, tmp)}
+      cfg = dataclasses.replace(cfg,
+                                max_seq_len=_trained_seq_len(src.run_dir) or cfg.max_seq_len)
+    hf.save_hf(tmp, cfg, params, base_config=base, dtype=dtype)
+    _publish(tmp, out)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
   return cfg
 
 

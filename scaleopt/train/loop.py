@@ -369,14 +369,15 @@ def run_cells(cfg: TrainConfig, parts: Setup, cells: Cells, state, step0: int,
       res.diverged |= consec >= run.max_consecutive_skips
     behind.append(step_metrics["consec"])
     res.interrupted = cells.stop(done)
-    is_eval = (run.eval_every and done % run.eval_every == 0) or done == run.steps
+    is_eval = run.eval_tokens > 0 and (
+        (run.eval_every and done % run.eval_every == 0) or done == run.steps)
     if (done % run.log_every == 0 or is_eval or res.diverged.all()
         or res.interrupted is not None):
       fetched = jax.device_get(pending)
       pending = []
       res.last_losses = progress.losses(fetched, n)
       tps = meter.interval(done)  # of all cells together
-      rows = progress.rows(done, fetched[-1], n, meter, tps)
+      rows = progress.rows(done, fetched, n, meter, tps)
       if is_eval:
         res.eval_loss = cells.evaluate(state)
         meter.pause_done()
@@ -398,7 +399,7 @@ def run_cells(cfg: TrainConfig, parts: Setup, cells: Cells, state, step0: int,
   if isinstance(cells.step, phased_lib.Dispatcher):
     res.phase_shifts = cells.step.shifts
   prof.close(state.step)
-  if res.done == step0:  # nothing left to train (resuming a finished run)
+  if res.done == step0 and run.eval_tokens > 0:  # nothing left to train (a finished run)
     res.eval_loss = cells.evaluate(state)
   # Always the final / interrupted state; after a non-finite stop only if it did not blow up
   # (a stopped state is never healthy, so the newest healthy checkpoint is kept either way).

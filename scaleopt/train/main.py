@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import sys
 
+from scaleopt.config import resolve_config
 from scaleopt.train.config import ConfigError, load_config
 from scaleopt.train.data import DataError
 
 
 def train_main(config_path: str, out_dir: str, overrides: list[str] | None = None,
                resume: bool = False, dry_run: bool = False) -> int:
-  """Runs one training job; returns 0, 2 (bad config or data, no intact checkpoint, a
+  """Runs one training job (``config_path``: a YAML file or a shipped config's name, as
+  ``scaleopt train --config``); returns 0, 2 (bad config or data, no intact checkpoint, a
   checkpoint or output that cannot be written, out of device memory), 3 (stopped after too many non-finite steps)
   or 143 (SIGTERM/SIGINT: checkpointed, resume with --resume). Errors are one line on stderr.
 
@@ -19,7 +21,7 @@ def train_main(config_path: str, out_dir: str, overrides: list[str] | None = Non
   """
   from scaleopt.train import bridge, checkpoint, faults, loop, preflight, runfolder
   try:
-    cfg = load_config(config_path, overrides or [])
+    cfg = load_config(resolve_config(config_path, "train"), overrides or [])
     runfolder.check_local(out_dir)
     if dry_run:
       print(loop.dry_run(cfg, out_dir, resume=resume))
@@ -47,11 +49,12 @@ def train_main(config_path: str, out_dir: str, overrides: list[str] | None = Non
   except faults.Interrupted as e:
     print(f"interrupted: {e}", file=sys.stderr)
     return faults.EXIT_SIGNAL
+  ev = summary["final_eval_loss"]
+  ev = ("no evaluation (run.eval_tokens=0)" if cfg.run.eval_tokens == 0 or ev is None
+        or ev != ev else f"eval loss {ev:.4f}")
   if summary["final_train_loss"] is None:  # resumed a finished run: nothing was trained
-    print(f"done: already at step {summary['steps']}, eval loss "
-          f"{summary['final_eval_loss']:.4f}; outputs in {out_dir}")
+    print(f"done: already at step {summary['steps']}, {ev}; outputs in {out_dir}")
     return 0
-  print(f"done: {summary['steps']} steps, train loss {summary['final_train_loss']:.4f}, eval "
-        f"loss {summary['final_eval_loss']:.4f}, {summary['tokens_per_s']:.0f} tokens/s; "
-        f"outputs in {out_dir}")
+  print(f"done: {summary['steps']} steps, train loss {summary['final_train_loss']:.4f}, {ev}, "
+        f"{summary['tokens_per_s']:.0f} tokens/s; outputs in {out_dir}")
   return 0

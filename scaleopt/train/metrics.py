@@ -219,13 +219,18 @@ class Meter:
 
 
 def step_row(step: int, last: dict, tokens: int, tokens_per_s: float, meter: Meter,
-             cells: int = 1) -> dict:
+             cells: int = 1, window: Optional[list[dict]] = None) -> dict:
   """One metrics.jsonl row from the host copy of a step's metrics (``last``: name -> scalar);
   the skip counters as integers; the meter's cumulative timing (``wall_s``: a cell's share
-  of the wall time when ``cells`` train in one program)."""
-  row = {"step": step, **{k: float(v) for k, v in last.items()}, "tokens": tokens,
-         "tokens_per_s": tokens_per_s, "wall_s": meter.wall() / cells,
+  of the wall time when ``cells`` train in one program). ``window``: the host metrics of every
+  step since the previous row (``last`` among them; None: ``last`` alone), for the fraction of
+  them whose gradient was clipped (``clip_fraction``, from the steps' ``clip_fired``)."""
+  fired = [float(m["clip_fired"]) for m in (window or [last]) if "clip_fired" in m]
+  row = {"step": step, **{k: float(v) for k, v in last.items() if k != "clip_fired"},
+         "tokens": tokens, "tokens_per_s": tokens_per_s, "wall_s": meter.wall() / cells,
          "train_s": meter.train_s, "timed_steps": meter.timed_steps}
+  if fired:
+    row["clip_fraction"] = sum(fired) / len(fired)
   row["skipped"], row["consec"] = int(row["skipped"]), int(row["consec"])
   return row
 
@@ -305,10 +310,9 @@ def write_summary(out_dir: pathlib.Path, summary: dict) -> None:
 
 def plot_curves(runs: dict[str, list[dict]], path: pathlib.Path, title: str = "") -> None:
   """Train (thin) and eval (markers) loss against step for one or more runs."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
+  from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
+  fig = Figure(figsize=(6, 4))
+  ax = fig.subplots()
   for i, (name, rows) in enumerate(runs.items()):
     color = f"C{i}"
     tr = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
@@ -325,4 +329,3 @@ def plot_curves(runs: dict[str, list[dict]], path: pathlib.Path, title: str = ""
   ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=120)
-  plt.close(fig)

@@ -45,11 +45,13 @@ def bar(steps: int, step0: int):
               mininterval=0.5)
 
 
-def rows(done: int, last: dict, n: int, meter: metrics.Meter, tps: float) -> list[dict]:
-  """The metrics rows of the cells at step ``done`` from the last step's host metrics
-  ``last``; ``tps`` is the interval's throughput of all cells together."""
-  return [metrics.step_row(done, m, done * meter.tps_unit // n, tps / n, meter, n)
-          for m in per_cell(last, n)]
+def rows(done: int, fetched: list[dict], n: int, meter: metrics.Meter, tps: float) -> list[dict]:
+  """The metrics rows of the cells at step ``done`` from the host metrics of every step since
+  the last log (``fetched``, oldest first: the last step's values, the window's clip
+  fraction); ``tps`` is the interval's throughput of all cells together."""
+  steps = [per_cell(m, n) for m in fetched]
+  return [metrics.step_row(done, steps[-1][i], done * meter.tps_unit // n, tps / n, meter, n,
+                           window=[s[i] for s in steps]) for i in range(n)]
 
 
 def report(rows_: list[dict], logs: list, eval_loss: Optional[np.ndarray], mfu: Optional[float],

@@ -8,7 +8,8 @@ One train step, all inside ``jax.jit`` with the state donated:
   -> apply unless the loss or gradient is non-finite, a transform zeroed a non-finite
      tensor or (``check_update``) the update is non-finite (then params and optimizer state
      stay as they were and the skip is counted)
-  -> metrics (device scalars; the loop fetches them every ``log_every`` steps).
+  -> metrics (device scalars; the loop fetches them every ``log_every`` steps): the
+     gradient norm before and after the clip and whether it fired (``clip_metrics``).
 
 Parameters and optimizer state are float32; the model computes in ``model.dtype`` (bf16).
 """
@@ -79,6 +80,19 @@ def _device_microbatches(mesh, axis: Any, params: Any, param_sh: Any,
                               None if param_sh is None else to_slices)
 
 
+def clip_metrics(clipped_norm: jax.Array, stats: optim.BCStats) -> dict[str, jax.Array]:
+  """The step's gradient norms around the global-norm clip, from what the collector returns:
+  ``grad_norm`` = ||g|| before clipping (g: the full-batch mean gradient, ``stats.full``
+  divided by the clip factor c the collector applied to it), ``grad_norm_clipped`` = c c_n
+  ||g|| (c_n: a numerator-only clip's factor; both 1 without clipping) and ``clip_fired`` =
+  1 when c c_n < 1 (``metrics.step_row`` turns it into the logging window's clip fraction)."""
+  factor = jnp.asarray(stats.clip_factor, jnp.float32)
+  pre = clipped_norm / factor
+  applied = factor * jnp.asarray(stats.numerator_clip, jnp.float32)
+  return dict(grad_norm=pre, grad_norm_clipped=pre * applied,
+              clip_fired=(applied < 1.0).astype(jnp.float32))
+
+
 def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
                     schedule: Callable, telemetry_every: int = 0, param_sh: Any = None,
                     update_sh: Any = None, check_update: bool = True) -> Callable:
@@ -128,7 +142,8 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
                                      bc_stats=stats)
     updates = on_slices(updates)
     params = optax.apply_updates(params, updates)
-    g_norm = optax.global_norm(stats.full)
+    g_norm = optax.global_norm(stats.full)  # after the collector's clip
+    clip = clip_metrics(g_norm, stats)
     u_norm = optax.global_norm(updates)
     ok = (jnp.isfinite(stats.loss) & jnp.isfinite(g_norm)
           & (optim.skipped_tensors(opt_state) == 0))
@@ -138,7 +153,7 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
     new = TrainState(step=state.step + 1, params=_select(ok, params, state.params),
                      opt_state=_select(ok, opt_state, state.opt_state), rng=rng,
                      skipped=state.skipped + bad, consec=jnp.where(ok, 0, state.consec + 1))
-    metrics = dict(loss=stats.loss, ce=stats.aux["ce"], grad_norm=g_norm, update_norm=u_norm,
+    metrics = dict(loss=stats.loss, ce=stats.aux["ce"], **clip, update_norm=u_norm,
                    param_norm=optax.global_norm(new.params), lr=schedule(_lr_step(state)),
                    skipped=new.skipped, consec=new.consec)
     for k, v in stats.aux.items():

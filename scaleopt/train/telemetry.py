@@ -3,7 +3,8 @@
 ``run.telemetry_every: N`` (0: off; a multiple of ``run.log_every``) adds, on every N-th step,
 for each tensor group
 
-  grad_norm/<group>     || gradient ||_2 of the group (the full-batch mean gradient)
+  grad_norm/<group>     || gradient ||_2 of the group (the full-batch mean gradient, before
+                        the global-norm clip, as the run's ``grad_norm``)
   update_norm/<group>   || applied update ||_2 (after clipping, lr and weight decay)
   param_norm/<group>    || parameters ||_2 after the step
 
@@ -165,7 +166,8 @@ def _bc(tx, opt_state, params, stats, updates) -> dict[str, jax.Array]:
 
 def compute(tx, opt_state, params_before, stats, updates, params_after) -> dict[str, jax.Array]:
   """Every telemetry value of one step (traced inside the step, called under ``lax.cond``)."""
-  out = {**_norms("grad_norm", stats.full, params_before),
+  pre_clip = jax.tree.map(lambda g: g / stats.clip_factor, stats.full)
+  out = {**_norms("grad_norm", pre_clip, params_before),
          **_norms("update_norm", updates, params_before),
          **_norms("param_norm", params_after, params_before)}
   out.update(_bc(tx, opt_state, params_before, stats, updates))

@@ -201,3 +201,98 @@ def test_init_from_takes_the_architecture_from_the_source(tmp_path):
   with pytest.raises(convert.SourceError, match="model.n_heads=.*; model.rope_theta=10.0"):
     convert.check_matches(convert.open_source(src),
                           bridge.model_config(C.from_dict(raw).model))
+
+
+def _fake_byte_run(tmp_path, preset="tiny"):
+  """A run folder as the trainer leaves it (config.yaml, one checkpoint's TrainState) with
+  freshly initialised parameters of a small byte-level model; no training."""
+  import orbax.checkpoint as ocp
+  from scaleopt.train import bridge, config as C
+  raw = {"model": {"preset": preset, "dtype": "float32", "d_model": 32,
+                   "n_layers": 2 if "moe" in preset else 1, "d_ff": 64},
+         "data": {"source": "embedded", "seq_len": 32}, "optimizer": {"name": "adamw"}}
+  cfg = C.from_dict(raw)
+  run = tmp_path / f"run_{preset}"
+  run.mkdir()
+  C.dump_config(cfg, run / "config.yaml")
+  params = bridge.make_model(cfg.model).init(jax.random.PRNGKey(0))
+  state = {"params": jax.tree.map(np.asarray, params), "opt_state": {"count": np.int32(1)},
+           "step": np.int32(1)}
+  # the trainer's layout (train/checkpoint.py): a CheckpointManager step with a "state" item
+  mngr = ocp.CheckpointManager((run / "checkpoints").absolute(), options=(
+      ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)))
+  mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+  mngr.wait_until_finished()
+  mngr.close()
+  return run
+
+
+def _bpe_export(tmp_path, out):
+  """An earlier export with a tokenizer.json (the Qwen2 fixture through a conversion)."""
+  src = tmp_path / "src"
+  src.mkdir()
+  for f in ("config.json", "model.safetensors"):
+    (src / f).write_bytes((FIX / "qwen2" / f).read_bytes())
+  (src / "tokenizer.json").write_bytes((FIX / "qwen2_tokenizer" / "tokenizer.json").read_bytes())
+  assert convert_main("import", str(src), str(tmp_path / "conv")) == 0
+  assert convert_main("export", str(tmp_path / "conv"), str(out)) == 0
+  assert (out / "tokenizer.json").is_file()
+
+
+def test_export_replaces_an_earlier_export_as_a_whole(tmp_path, capsys, caplog):
+  """A byte-level run exported over a BPE export: the old tokenizer.json is gone; every file
+  is written with the umask's mode (0644 under 022); no warning (stderr or a logger's, e.g.
+  absl's from Orbax); nothing is left beside the folder."""
+  import logging
+  import os
+  out = tmp_path / "hf_out"
+  _bpe_export(tmp_path, out)
+  run = _fake_byte_run(tmp_path)
+  capsys.readouterr()
+  old_umask = os.umask(0o022)
+  try:
+    with caplog.at_level(logging.INFO):
+      assert convert_main("export", str(run), str(out)) == 0
+  finally:
+    os.umask(old_umask)
+  captured = capsys.readouterr()
+  assert captured.err == "", captured.err
+  warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  assert not warnings, warnings
+  assert sorted(p.name for p in out.iterdir()) == ["TOKENIZER.md", "config.json",
+                                                    "model.safetensors"]
+  assert json.loads((out / "config.json").read_text())["vocab_size"] == 256
+  assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {
+      n: "0o644" for n in ("TOKENIZER.md", "config.json", "model.safetensors")}
+  assert oct(out.stat().st_mode & 0o777) == "0o755"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["conv", "hf_out", "run_tiny", "src"]
+
+
+def test_export_refuses_a_folder_of_other_files(tmp_path, capsys):
+  run = _fake_byte_run(tmp_path)
+  out = tmp_path / "mine"
+  out.mkdir()
+  (out / "notes.txt").write_text("keep me")
+  assert convert_main("export", str(run), str(out)) == 2
+  err = capsys.readouterr().err.strip()
+  assert "\n" not in err and "notes.txt" in err and "not an earlier export" in err
+  assert [p.name for p in out.iterdir()] == ["notes.txt"]
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  assert convert_main("export", str(run), str(empty)) == 0
+  assert (empty / "model.safetensors").is_file()
+
+
+def test_a_failed_export_leaves_no_folder_and_keeps_an_earlier_one(tmp_path, capsys):
+  """A MoE run cannot be exported (no Hugging Face MoE mapping): exit 2, no new folder, no
+  temporary folder, an earlier export at --out untouched."""
+  run = _fake_byte_run(tmp_path, preset="tiny-moe")
+  assert convert_main("export", str(run), str(tmp_path / "new")) == 2
+  assert "n_experts" in capsys.readouterr().err
+  assert not (tmp_path / "new").exists()
+  out = tmp_path / "hf_out"
+  _bpe_export(tmp_path, out)
+  before = {p.name: p.read_bytes() for p in out.iterdir()}
+  assert convert_main("export", str(run), str(out)) == 2
+  assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["conv", "hf_out", "run_tiny-moe", "src"]

@@ -77,11 +77,38 @@ def test_sweep_main_invalid_value_is_one_line(tmp_path, capsys):
   assert rc == 2 and err == ["error: problem.seeds = 2.7: expected an integer"]
 
 
+# Every figure the notebook promises, by a piece of source unique to the cell that draws it.
+NOTEBOOK_FIGURES = {"loss vs N": 'OUT / "loss_vs_n.png"', "window report": 'OUT / "window.png"',
+                    "alpha vs s": 'OUT / "alpha_vs_s.png"',
+                    "closed form vs simulation": 'OUT / "theory_overlay.png"',
+                    "spectra": "ax.loglog("}
+
+
+def _figure_cells(nb) -> dict:
+  """Each promised figure's code cell (exactly one per figure)."""
+  cells = {}
+  for name, marker in NOTEBOOK_FIGURES.items():
+    found = [c for c in nb.cells if c.cell_type == "code" and marker in c.source]
+    assert len(found) == 1, (name, len(found))
+    cells[name] = found[0]
+  return cells
+
+
+def _images(cell) -> int:
+  return sum("image/png" in o.get("data", {}) for o in cell.get("outputs", []))
+
+
 @pytest.mark.integration
 def test_notebook_executes_on_small_preset():
+  """Headless (a fresh kernel, no display), each cell under a time limit: no error, the
+  expected text, and every promised figure rendered as an image in its own cell."""
   nbformat = pytest.importorskip("nbformat")
   nbclient = pytest.importorskip("nbclient")
   nb = nbformat.read(ROOT / "notebooks/scaling_exponents.ipynb", as_version=4)
+  for c in nb.cells:
+    if c.cell_type == "code":
+      c.outputs = []
+  saved = {k: os.environ.pop(k, None) for k in ("DISPLAY", "MPLBACKEND")}
   os.environ["SCALEOPT_NB_QUICK"] = "1"
   try:
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
@@ -89,6 +116,7 @@ def test_notebook_executes_on_small_preset():
     client.execute()
   finally:
     os.environ.pop("SCALEOPT_NB_QUICK", None)
+    os.environ.update({k: v for k, v in saved.items() if v is not None})
   text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                    for o in c.get("outputs", []))
   assert "s_hat" in text and "max relative difference" in text
@@ -96,3 +124,13 @@ def test_notebook_executes_on_small_preset():
   errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
             if o.get("output_type") == "error"]
   assert not errors
+  missing = [name for name, cell in _figure_cells(nb).items() if _images(cell) != 1]
+  assert not missing, f"figures without exactly one image output: {missing}"
+
+
+def test_committed_notebook_shows_every_promised_figure():
+  """The notebook is committed with its outputs: each promised figure is an image there too."""
+  nbformat = pytest.importorskip("nbformat")
+  nb = nbformat.read(ROOT / "notebooks/scaling_exponents.ipynb", as_version=4)
+  missing = [name for name, cell in _figure_cells(nb).items() if _images(cell) != 1]
+  assert not missing, f"figures without exactly one image output: {missing}"

@@ -59,8 +59,10 @@ def test_short_run_fits_the_warmup_with_a_notice(capsys):
   assert _sched(10, kind="constant", warmup_steps=30)["warmup_steps"] == 30
   assert _sched(40, kind="cosine", warmup_steps=30)["warmup_steps"] == 30
   assert capsys.readouterr().err.count("note:") == 1  # the wsd case only
-  with pytest.raises(ConfigError, match="warmup_steps=30 must be <= .*total_steps=10"):
-    _sched(10, kind="cosine", warmup_steps=30, total_steps=10)  # set by hand: not changed
+  with pytest.raises(ConfigError, match="warmup_steps=30 must be <= .*total_steps=12"):
+    _sched(10, kind="cosine", warmup_steps=30, total_steps=12)  # set by hand: not changed
+  # a schedule set to end with the run (as config.yaml records it) is fitted like an unset one
+  assert _sched(10, kind="cosine", warmup_steps=30, total_steps=10)["warmup_steps"] == 10
 
 
 @pytest.mark.integration  # a training run: the second tier

@@ -104,12 +104,24 @@ def open_input(path: pathlib.Path, comp: Optional[str]):
 class Unit:
   """A piece of input: ``text`` (UTF-8 bytes) of the document keyed ``key``; ``last``: the
   document ends here (a separator follows); ``split``: forced split (a lone text file);
-  ``skip``: no text, a file left out (what to count it as)."""
+  ``skip``: no text, a file or record left out (what to count it as; ``why``: where and why)."""
   key: bytes
   text: bytes
   last: bool = True
   split: Optional[str] = None
   skip: Optional[str] = None
+  why: str = ""
+
+
+BAD_RECORD = "bad records"  # the count of records left out by --skip-bad-records
+
+
+class BadRecord(DataError):
+  """One record that cannot be read; ``--skip-bad-records`` leaves it out instead."""
+
+  def __init__(self, where: str):
+    super().__init__(f"{where}; --skip-bad-records leaves such records out (counted)")
+    self.where = where
 
 
 def _text_pieces(f, limit: Optional[int] = None) -> Iterator[bytes]:
@@ -183,31 +195,53 @@ def _count_lines(path: pathlib.Path, comp) -> int:
 
 
 def _record(text, where: str, field: str) -> Unit:
+  if text is None:
+    raise BadRecord(f"{where}: field {field!r} is null (no text)")
   if not isinstance(text, str):
-    raise DataError(f"{where}: field {field!r} holds {type(text).__name__}, not text; name the "
-                    "text with --text-field")
+    raise BadRecord(f"{where}: field {field!r} holds {type(text).__name__}, not text (if the "
+                    "text is in another field, name it with --text-field)")
   data = text.encode("utf-8", "replace")
   return Unit(data, data)
 
 
-def _jsonl_units(path: pathlib.Path, comp, field: str) -> Iterator[Unit]:
+def _bad(e: BadRecord, skip_bad: bool, n: int) -> Unit:
+  """The unit of a bad record when they are skipped (keyed by its position, no text)."""
+  if not skip_bad:
+    raise e
+  return Unit(str(n).encode(), b"", skip=BAD_RECORD, why=e.where)
+
+
+def _jsonl_units(path: pathlib.Path, comp, field: str, skip_bad: bool = False
+                 ) -> Iterator[Unit]:
+  """One unit per line holding a JSON object with the text in ``field``."""
   with open_input(path, comp) as f:
     for n, line in enumerate(f, 1):
       if not line.strip():
         continue
+      where = f"input {str(path)!r} line {n}"
       try:
         obj = json.loads(line)
+        if not isinstance(obj, dict):
+          raise BadRecord(f"{where} is JSON {type(obj).__name__}, not an object; JSONL needs "
+                          "one object per line")
       except ValueError as e:
-        raise DataError(f"input {str(path)!r} line {n} is not JSON ({e}); JSONL needs one "
-                        "object per line") from None
-      if not isinstance(obj, dict) or field not in obj:
-        keys = sorted(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
-        raise DataError(f"input {str(path)!r} line {n} has no field {field!r} (it has "
-                        f"{keys}); name the text field with --text-field")
-      yield _record(obj[field], f"input {str(path)!r} line {n}", field)
+        yield _bad(BadRecord(f"{where} is not JSON ({e}); JSONL needs one object per line"),
+                   skip_bad, n)
+        continue
+      except BadRecord as e:
+        yield _bad(e, skip_bad, n)
+        continue
+      try:
+        if field not in obj:
+          raise BadRecord(f"{where} has no field {field!r} (it has {sorted(obj)[:8]}); name "
+                          "the text field with --text-field")
+        yield _record(obj[field], where, field)
+      except BadRecord as e:
+        yield _bad(e, skip_bad, n)
 
 
-def _columnar_units(path: pathlib.Path, fmt: str, field: str) -> Iterator[Unit]:
+def _columnar_units(path: pathlib.Path, fmt: str, field: str, skip_bad: bool = False
+                    ) -> Iterator[Unit]:
   try:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -234,10 +268,14 @@ def _columnar_units(path: pathlib.Path, fmt: str, field: str) -> Iterator[Unit]:
   if field not in names:
     raise DataError(f"input {str(path)!r} has no column {field!r} (it has {names[:8]}); name "
                     "the text column with --text-field")
+  row = 0
   for n, batch in enumerate(batches()):
     for i, text in enumerate(batch.column(field).to_pylist()):
-      if text is not None:
+      row += 1
+      try:
         yield _record(text, f"input {str(path)!r} batch {n} row {i}", field)
+      except BadRecord as e:
+        yield _bad(e, skip_bad, row)
 
 
 class _file_batches:
@@ -251,15 +289,16 @@ class _file_batches:
 
 
 def file_units(rel: str, path: pathlib.Path, text_field: str, val_fraction: float,
-               lone: bool = False) -> Iterator[Unit]:
-  """The units of one input file, in order."""
+               lone: bool = False, skip_bad: bool = False) -> Iterator[Unit]:
+  """The units of one input file, in order (``skip_bad``: a bad record becomes a unit to
+  skip, ``BAD_RECORD``, instead of stopping the run)."""
   fmt, comp = file_format(path.name)
   if fmt == "jsonl":
-    return _jsonl_units(path, comp, text_field)
+    return _jsonl_units(path, comp, text_field, skip_bad)
   if fmt in ("parquet", "arrow"):
     if comp:
       raise DataError(f"input {str(path)!r}: compressed {fmt} is not read; decompress it")
-    return _columnar_units(path, fmt, text_field)
+    return _columnar_units(path, fmt, text_field, skip_bad)
   if lone:
     n = _count_lines(path, comp)
     cut = max(1, int(n * (1 - val_fraction)))
@@ -267,12 +306,13 @@ def file_units(rel: str, path: pathlib.Path, text_field: str, val_fraction: floa
   return _text_units(rel, path, comp)
 
 
-def units(files: list, text_field: str, val_fraction: float, start: tuple = (0, 0)
-          ) -> Iterator[tuple[tuple, Unit]]:
+def units(files: list, text_field: str, val_fraction: float, start: tuple = (0, 0),
+          skip_bad: bool = False) -> Iterator[tuple[tuple, Unit]]:
   """((file index, unit index) after the unit, unit) from position ``start`` on."""
   lone = len(files) == 1 and file_format(files[0][1].name)[0] == "text"
   for i in range(start[0], len(files)):
     rel, path = files[i]
-    for j, u in enumerate(file_units(rel, path, text_field, val_fraction, lone=lone)):
+    for j, u in enumerate(file_units(rel, path, text_field, val_fraction, lone=lone,
+                                     skip_bad=skip_bad)):
       if (i, j) >= start:
         yield (i, j + 1), u

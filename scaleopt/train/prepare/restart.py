@@ -29,9 +29,10 @@ def clear(out: pathlib.Path) -> None:
 def fingerprint(files: list, tokenizer: str, opts: Options) -> dict:
   """What a restart must share with the interrupted run."""
   st = [(rel, p.stat().st_size, p.stat().st_mtime_ns) for rel, p in files]
+  skip = {"skip_bad_records": opts.bad_records_cap} if opts.skip_bad_records else {}
   return {"files": st, "tokenizer": tokenizer, "text_field": opts.text_field,
           "val_fraction": opts.val_fraction, "shard_tokens": opts.shard_tokens,
-          "bpe_sample_mb": opts.bpe_sample_mb}
+          "bpe_sample_mb": opts.bpe_sample_mb, **skip}
 
 
 def load_state(out: pathlib.Path, fp: dict) -> Optional[dict]:

@@ -17,10 +17,10 @@ from scaleopt.train import prefetch
 from scaleopt.train.prepare import restart
 from scaleopt.train.prepare.options import Options
 from scaleopt.train.prepare.progress import Progress
-from scaleopt.train.prepare.readers import input_files, units
+from scaleopt.train.prepare.readers import BAD_RECORD, input_files, units
 from scaleopt.train.prepare.split import split_of
 from scaleopt.train.prepare.tokenize import encoding_batches, make_tokenizer
-from scaleopt.train.prepare.writer import ShardWriter, write_manifest
+from scaleopt.train.prepare.writer import MANIFEST, ShardWriter, write_manifest
 from scaleopt.train.shards import DataError
 
 
@@ -38,6 +38,11 @@ def prepare(inp: str | pathlib.Path, out: str | pathlib.Path, tokenizer: str = "
     raise DataError(f"--val-fraction {opts.val_fraction}: must be in (0, 1)")
   if opts.shard_tokens < 1:
     raise DataError(f"--shard-tokens {opts.shard_tokens}: must be >= 1")
+  if opts.max_bad_records is not None and not opts.skip_bad_records:
+    raise DataError(f"--max-bad-records {opts.max_bad_records} applies with "
+                    "--skip-bad-records (without it the first bad record stops the run)")
+  if opts.max_bad_records is not None and opts.max_bad_records < 0:
+    raise DataError(f"--max-bad-records {opts.max_bad_records}: must be >= 0")
   inp, out = pathlib.Path(inp), pathlib.Path(out)
   files, skipped = input_files(inp, tuple(opts.include))
   if not files:
@@ -61,7 +66,8 @@ def prepare(inp: str | pathlib.Path, out: str | pathlib.Path, tokenizer: str = "
                             carry if s == "train" else None) for s in ("train", "val")}
   prog = Progress(opts.progress)
   prog.bytes = state["text_bytes"]
-  positioned = units(files, opts.text_field, opts.val_fraction, tuple(state["pos"]))
+  positioned = units(files, opts.text_field, opts.val_fraction, tuple(state["pos"]),
+                     skip_bad=opts.skip_bad_records)
   batches = prefetch.Ahead(encoding_batches(positioned), name="scaleopt-prepare")
   try:
     for batch in batches:
@@ -69,6 +75,9 @@ def prepare(inp: str | pathlib.Path, out: str | pathlib.Path, tokenizer: str = "
       for pos, u in batch:
         if u.skip:
           skipped[u.skip] = skipped.get(u.skip, 0) + 1
+          if u.skip == BAD_RECORD and skipped[u.skip] > opts.bad_records_cap:
+            raise DataError(f"more than {opts.bad_records_cap} bad records, the last {u.why}; "
+                            "fix the input, or raise --max-bad-records")
           continue
         arr = next(ids)
         if u.last:
@@ -87,8 +96,26 @@ def prepare(inp: str | pathlib.Path, out: str | pathlib.Path, tokenizer: str = "
   return _finish(inp, out, files, tok, writers, skipped, prog, opts)
 
 
+def _no_text(inp: pathlib.Path, files: list, skipped: dict) -> DataError:
+  """What to say when no input file gave any text: empty, binary, or every record bad."""
+  empty = sum(p.stat().st_size == 0 for _, p in files)
+  binary = skipped.get("binary files", 0)
+  if len(files) == 1 and empty:
+    return DataError(f"input {str(inp)!r} is empty")
+  if len(files) == 1 and binary:
+    return DataError(f"input {str(inp)!r} is not text (it holds a NUL byte or is not UTF-8); "
+                     "data prepare reads text, JSONL, Parquet and Arrow")
+  parts = [f"{empty} empty"] * bool(empty) + [f"{binary} not text (binary)"] * bool(binary)
+  bad = skipped.get(BAD_RECORD, 0)
+  parts += [f"{bad} bad records skipped"] * bool(bad)
+  return DataError(f"input {str(inp)!r} holds no text to tokenize: of its {len(files)} files "
+                   f"{', '.join(parts) or 'none holds a document'}")
+
+
 def _finish(inp, out, files, tok, writers, skipped, prog, opts) -> dict:
   """Refuses an empty split; writes the manifest, removes the restart point; the summary."""
+  if writers["val"].total == 0 and writers["train"].total == 0:
+    raise _no_text(inp, files, skipped)
   if writers["val"].total == 0:
     raise DataError(
         f"input {str(inp)!r}: the validation split would be empty (a document is held out with "
@@ -111,10 +138,23 @@ def _check_args(inp: str, out: str) -> None:
   if "://" in out:
     raise DataError(f"--out {out!r}: shards are written to a local folder (copy them to "
                     "storage afterwards, e.g. gsutil -m cp -r); training reads them from a URL")
+  if "://" in inp:
+    raise DataError(f"--input {inp!r} is a URL; data prepare reads local files and folders "
+                    "(copy it here first, e.g. gsutil -m cp -r or curl -O)")
   if not pathlib.Path(inp).exists():
     raise DataError(f"input {inp!r} does not exist")
   if pathlib.Path(out).exists() and not pathlib.Path(out).is_dir():
     raise DataError(f"--out {out!r} is a file, not a directory")
+  src, dst = pathlib.Path(inp).resolve(), pathlib.Path(out).resolve()
+  if dst == src:
+    raise DataError(f"--out {out!r} is the --input folder: the shards would become input of the "
+                    "next prepare of it; name another folder")
+  if src.is_dir() and src in dst.parents:
+    raise DataError(f"--out {out!r} is inside --input {inp!r}: the shards would become input "
+                    "of the next prepare of it; name a folder outside it")
+  if src.is_dir() and (src / MANIFEST).is_file() and any(src.glob("train_*.bin")):
+    raise DataError(f"input {inp!r} holds shards written by data prepare, not text; train on "
+                    f"it with --set data.source=shards --set data.path={inp}")
 
 
 def main(input: str, out: str, tokenizer: str = "bytes", **options) -> int:

@@ -36,7 +36,8 @@ def bpe_sample(files: list, opts: Options) -> Callable[[], Iterator[bytes]]:
 
   def texts():
     seen = 0
-    for _, u in units(files, opts.text_field, opts.val_fraction):
+    for _, u in units(files, opts.text_field, opts.val_fraction,
+                      skip_bad=opts.skip_bad_records):
       if u.skip or split_of(u, opts.val_fraction) != "train" or (
           share < 1 and not is_heldout(u.key + u.text[:64], share)):
         continue
