@@ -25,7 +25,7 @@ import optax
 from scaleopt import models, optim
 from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data, faults,
                             identity, mesh as mesh_lib, metrics, phased as phased_lib,
-                            step as step_lib)
+                            step as step_lib, storage)
 from scaleopt.train.config import ConfigError, TrainConfig, dump_config
 
 # Dense bf16 peak FLOP/s per chip, matched against ``device_kind``.
@@ -252,14 +252,17 @@ def check_out_dir(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool) -
   """Reads only: ``--out`` is (or can become) a writable directory, one that holds
   checkpoints is reused only with ``--resume``, and then only with a config that may resume
   (``config.check_resume``). Returns the resumable changes."""
-  out = pathlib.Path(out_dir)
+  out = storage.path(out_dir)
+  if storage.is_url(out):
+    storage.check_writable(out)
   probe = out
-  while not probe.exists() and probe != probe.parent:
+  while not storage.is_url(out) and not probe.exists() and probe != probe.parent:
     probe = probe.parent
-  if not probe.is_dir():
+  if not storage.is_url(out) and not probe.is_dir():
     raise ConfigError(f"--out {str(out)!r}: {str(probe)!r} is a file, not a directory")
   try:  # a real probe: os.access is wrong for root and for read-only mounts
-    tempfile.TemporaryDirectory(dir=probe).cleanup()
+    if not storage.is_url(out):
+      tempfile.TemporaryDirectory(dir=probe).cleanup()
   except OSError as e:
     raise ConfigError(f"--out {str(out)!r} is not writable ({e.strerror or e} in "
                       f"{str(probe)!r})") from None
@@ -275,9 +278,9 @@ def data_record(cfg: TrainConfig, out: pathlib.Path, resume: bool) -> dict:
   """What the run trains on (``identity.describe``); resuming a run that has checkpoints, the
   record it wrote when it started must match (else a one-line ConfigError)."""
   record = identity.describe(cfg)
-  ck = pathlib.Path(out) / "checkpoints"
+  ck = storage.path(out) / "checkpoints"
   if resume and ck.is_dir() and any(ck.iterdir()):
-    identity.check(pathlib.Path(out), record)
+    identity.check(storage.path(out), record)
   return record
 
 
@@ -303,7 +306,7 @@ def dry_run(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False)
 def _start_outputs(cfg: TrainConfig, out: pathlib.Path, resuming: bool) -> None:
   """config.yaml is written when a run starts and never rewritten: a resumed run's changes go
   to config_history.jsonl (``config.record_changes``)."""
-  out.mkdir(parents=True, exist_ok=True)
+  storage.mkdir(out)
   if jax.process_index() != 0 or (resuming and (out / "config.yaml").exists()):
     return
   dump_config(cfg, out / "config.yaml")
@@ -364,7 +367,7 @@ class Outcome:
 
 
 def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> dict:
-  out = pathlib.Path(out_dir)
+  out = storage.path(out_dir)
   changes = check_out_dir(cfg, out, resume)
   s = s or setup(cfg)
   record = data_record(cfg, out, resume)
