@@ -49,8 +49,10 @@ def emulator():
                       GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",  # no storage-layout API here
                       GOOGLE_CLOUD_PROJECT="scaleopt-test",
                       GOOGLE_AUTH_TOKEN_FOR_TESTING="emulator")  # no credential look-up
+    _forget_clients()
     yield url
   finally:
+    _forget_clients()
     for k, v in saved.items():
       if v is None:
         os.environ.pop(k, None)
@@ -62,6 +64,18 @@ def emulator():
     except subprocess.TimeoutExpired:
       proc.kill()
       proc.wait()
+
+
+def _forget_clients() -> None:
+  """gcsfs keeps its file-system object (which holds the endpoint) per process; a later
+  emulator listens on another port."""
+  try:
+    import gcsfs
+    gcsfs.GCSFileSystem.clear_instance_cache()
+  except ImportError:
+    pass
+  from etils.epath import backend
+  backend.fsspec_backend._get_filesystem.cache_clear()
 
 
 def new_bucket() -> str:
