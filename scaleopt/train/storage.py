@@ -26,7 +26,7 @@ import shutil
 import tempfile
 from typing import Any, Optional, Union
 
-from scaleopt.train.config import ConfigError
+from scaleopt.config import ConfigError
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 SCHEMES = ("gs",)  # run folders on object storage (shards may be any fsspec URL: data.py)
