@@ -215,7 +215,8 @@ def _fs():
 def check_writable(p: Path) -> None:
   """ConfigError (one line) unless an object can be written to and deleted from the bucket
   folder (missing bucket, no credentials, no permission)."""
-  probe = Blob(f"{str(p).rstrip('/')}/.write-probe-{os.getpid()}")
+  import uuid
+  probe = Blob(f"{str(p).rstrip('/')}/.write-probe-{uuid.uuid4().hex}")  # one per process
   try:
     probe.bucket().blob(probe.name).upload_from_string(b"", timeout=30)
     probe.bucket().blob(probe.name).delete(timeout=30)

@@ -223,3 +223,11 @@ def test_shards_on_the_bucket_give_the_local_windows(gcs, tmp_path):
     a, b = getattr(got[0], split), getattr(got[1], split)
     assert a.n == b.n
     np.testing.assert_array_equal(a.get(np.arange(a.n)), b.get(np.arange(b.n)))
+
+
+def test_a_missing_bucket_is_one_line_and_leaves_nothing(reference, gcs, capsys):
+  cfg_path, _ = reference
+  assert train_main(str(cfg_path), "gs://no-such-bucket-here/runs/a") == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: --out 'gs://no-such-bucket-here/runs/a' is not writable")
+  assert err.count("\n") == 1 and "Traceback" not in err
