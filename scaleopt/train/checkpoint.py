@@ -31,7 +31,6 @@ import math
 import os
 import pathlib
 import re
-import shutil
 import sys
 import zlib
 from typing import Any, Optional
@@ -41,6 +40,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from scaleopt.config import ConfigError
+from scaleopt.train import storage
 
 MANIFEST = "manifest.json"
 GROWTH = 10.0  # parameter-norm growth between healthy checkpoints beyond which a state "exploded"
@@ -59,17 +59,17 @@ def _one_line(e: BaseException, limit: int = 200) -> str:
   return msg if len(msg) <= limit else msg[:limit] + "..."
 
 
-def _crc(path: pathlib.Path) -> str:
+def _crc(path: storage.Path) -> str:
   c = 0
-  with open(path, "rb") as f:
+  with path.open("rb") as f:
     while chunk := f.read(1 << 22):
       c = zlib.crc32(chunk, c)
   return f"{c:08x}"
 
 
-def _files(step_dir: pathlib.Path) -> dict[str, list]:
-  return {p.relative_to(step_dir).as_posix(): [p.stat().st_size, _crc(p)]
-          for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
+def _files(step_dir: storage.Path) -> dict[str, list]:
+  return {p.relative_to(step_dir).as_posix(): [storage.size(p), _crc(p)]
+          for p in storage.files(step_dir) if p.name != MANIFEST}
 
 
 def _all_finite(tree: Any) -> bool:
@@ -100,7 +100,7 @@ class Checkpointer:
   """Saves, verifies, restores and rotates the checkpoints of one run.
 
   Args:
-    directory: ``RUN_DIR/checkpoints``.
+    directory: ``RUN_DIR/checkpoints`` (a local path or a ``gs://`` URL, ``storage``).
     keep: how many of the newest checkpoints to keep (the newest healthy one is kept too).
     use_async: write in the background (training continues while a save is written).
     init_norm: parameter norm of the initial state, the growth reference until a healthy
@@ -109,7 +109,9 @@ class Checkpointer:
 
   def __init__(self, directory: pathlib.Path, keep: int, use_async: bool = True,
                init_norm: Optional[float] = None):
-    self.dir = pathlib.Path(directory).absolute()
+    self.dir = storage.path(directory)
+    if not storage.is_url(directory):
+      self.dir = self.dir.absolute()
     self.keep, self.use_async, self.init_norm = keep, use_async, init_norm
     self.is_main = jax.process_index() == 0
     logging.getLogger("absl").addFilter(_FILTER)  # idempotent
@@ -176,7 +178,7 @@ class Checkpointer:
 
   def _failed(self, step: int, e: BaseException):
     for tmp in self.dir.glob(f"{step}.orbax-checkpoint-tmp*"):  # free what the failed save took
-      shutil.rmtree(tmp, ignore_errors=True)
+      storage.rmtree(tmp)
     self._pending = None
     self.mngr.reload()
     raise CheckpointError(f"could not write checkpoint {self.dir}/{step} ({_one_line(e)}); the "
@@ -196,12 +198,9 @@ class Checkpointer:
     step_dir = self.dir / str(step)
     if self.is_main and step_dir.is_dir():
       man = {"step": step, **health, "files": _files(step_dir)}
-      tmp = step_dir / (MANIFEST + ".tmp")
       try:
-        tmp.write_text(json.dumps(man))
-        os.replace(tmp, step_dir / MANIFEST)
+        storage.write_text(step_dir / MANIFEST, json.dumps(man))
       except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise CheckpointError(f"could not write {step_dir / MANIFEST} ({_one_line(e)})") from None
     _barrier(f"scaleopt_manifest_{step}")
     self._prune()
@@ -237,8 +236,8 @@ class Checkpointer:
       p = step_dir / rel
       if not p.is_file():
         raise CheckpointError(f"{rel} is missing")
-      if p.stat().st_size != size:
-        raise CheckpointError(f"{rel} has {p.stat().st_size} bytes, {size} were written")
+      if storage.size(p) != size:
+        raise CheckpointError(f"{rel} has {storage.size(p)} bytes, {size} were written")
       if _crc(p) != crc:
         raise CheckpointError(f"{rel} does not match its checksum")
 
@@ -293,8 +292,8 @@ class Checkpointer:
     while dest.exists():
       dest, k = dest_root / f"{step}-{k}", k + 1
     if self.is_main:
-      dest_root.mkdir(parents=True, exist_ok=True)
-      shutil.move(str(self.dir / str(step)), str(dest))
+      storage.mkdir(dest_root)
+      storage.move(self.dir / str(step), dest)
     print(f"warning: checkpoint {self.dir}/{step} is unusable ({why}); moved it to {dest} and "
           f"resumed from step {used}", file=sys.stderr)
 

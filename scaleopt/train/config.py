@@ -338,7 +338,8 @@ def load_config(path: str | pathlib.Path, overrides: list[str] | None = None) ->
 
 
 def dump_config(cfg: TrainConfig, path: str | pathlib.Path) -> None:
-  pathlib.Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+  from scaleopt.train import storage
+  storage.path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,7 +380,8 @@ def config_changes(saved: dict, requested: dict) -> dict[str, tuple]:
 def saved_config(run_dir: str | pathlib.Path) -> Optional[dict]:
   """The config a run last trained with: ``config.yaml`` (written when the run started, never
   rewritten) with the changes of ``config_history.jsonl`` applied; None if there is none."""
-  d = pathlib.Path(run_dir)
+  from scaleopt.train import storage
+  d = storage.path(run_dir)
   try:
     cfg = yaml.safe_load((d / "config.yaml").read_text())
   except FileNotFoundError:
@@ -452,5 +454,5 @@ def record_changes(run_dir: str | pathlib.Path, changes: dict, step: int) -> Non
   if changes:
     rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "step": step,
            "changes": {k: list(v) for k, v in changes.items()}}
-    with open(pathlib.Path(run_dir) / HISTORY, "a") as f:
-      f.write(json.dumps(rec) + "\n")
+    from scaleopt.train import storage
+    storage.append_text(storage.path(run_dir) / HISTORY, json.dumps(rec) + "\n")

@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from scaleopt.train import data
+from scaleopt.train import data, storage
 from scaleopt.train.config import ConfigError, TrainConfig
 
 FILE = "data.json"
@@ -100,15 +100,12 @@ def _describe_url(url: str) -> dict:
 
 
 def read(out: pathlib.Path) -> Optional[dict]:
-  p = pathlib.Path(out) / FILE
+  p = storage.path(out) / FILE
   return json.loads(p.read_text()) if p.is_file() else None
 
 
 def write(out: pathlib.Path, record: dict) -> None:
-  p = pathlib.Path(out) / FILE
-  tmp = p.with_suffix(".json.tmp")
-  tmp.write_text(json.dumps(record, indent=1) + "\n")
-  os.replace(tmp, p)
+  storage.write_text(storage.path(out) / FILE, json.dumps(record, indent=1) + "\n")
 
 
 def _first_change(old: dict, now: dict) -> Optional[str]:

@@ -30,7 +30,7 @@ from scaleopt import models, optim
 from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data, evaluation,
                             faults, flops, identity, mesh as mesh_lib, metrics,
                             phased as phased_lib, preflight, prefetch, progress,
-                            step as step_lib, summary as summary_lib)
+                            step as step_lib, storage, summary as summary_lib)
 from scaleopt.train.config import ConfigError, TrainConfig
 
 
@@ -188,7 +188,7 @@ def train(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool = False,
   cfg = bridge.with_source_architecture(cfg)  # what the run records and resumes with
   with faults.Signals() as sig:
     try:
-      return _train(cfg, pathlib.Path(out_dir), resume, s, sig)
+      return _train(cfg, storage.path(out_dir), resume, s, sig)
     except Exception as e:  # noqa: BLE001 -- only out-of-memory is translated, the rest re-raises
       oom = faults.out_of_memory(e, cfg)
       if oom is None:

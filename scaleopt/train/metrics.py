@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import jax
 
+from scaleopt.train import storage
 from scaleopt.train.config import ConfigError
 
 WANDB_KEYS = ("project", "entity", "name", "group", "tags", "notes", "mode")
@@ -46,10 +47,12 @@ class TBWriter:
 
   def __init__(self, directory: str | pathlib.Path, purge_step: Optional[int] = None):
     from tensorboardX import SummaryWriter
-    self.dir = pathlib.Path(directory)
+    self.dir = storage.path(directory)
+    self._mirror = storage.Mirror(self.dir)  # on a bucket: written locally, uploaded by flush
     # a fresh file per writer (tensorboardX names files by the second): readers order them
     # by name, so a resumed run's events come after the killed run's
-    self._w = SummaryWriter(logdir=str(self.dir), purge_step=purge_step, flush_secs=30,
+    self._w = SummaryWriter(logdir=str(self._mirror.local), purge_step=purge_step,
+                            flush_secs=30,
                             filename_suffix=f".{time.time_ns()}.{os.getpid()}")
 
   def scalars(self, step: int, values: dict) -> None:
@@ -58,9 +61,11 @@ class TBWriter:
 
   def flush(self) -> None:
     self._w.flush()
+    self._mirror.sync()
 
   def close(self) -> None:
     self._w.close()
+    self._mirror.close()
 
 
 def check_outputs(wandb: Optional[dict], profile: Optional[dict],
@@ -102,7 +107,8 @@ class WandbWriter:
     id_file = out_dir / "wandb_id"
     run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
     self._wandb = wandb
-    self.run = wandb.init(dir=str(out_dir), config=config, id=run_id,
+    self._mirror = storage.Mirror(out_dir)  # W&B's own files need a local folder
+    self.run = wandb.init(dir=str(self._mirror.local), config=config, id=run_id,
                           resume="allow" if run_id else None, **settings)
     id_file.write_text(str(self.run.id))
 
@@ -111,6 +117,7 @@ class WandbWriter:
 
   def close(self) -> None:
     self.run.finish()
+    self._mirror.close()
 
 
 class Profile:
@@ -125,13 +132,15 @@ class Profile:
     """``settings``: ``run.profile`` (None: no profile)."""
     s = settings or {"start_step": None, "steps": 0}
     self.dir, self.start = directory, s["start_step"]
+    self._mirror = None
     self.stop = None if self.start is None else self.start + s["steps"]
     self.active = False
 
   def before(self, t: int) -> None:
     if t == self.start and not self.active:
-      self.dir.mkdir(parents=True, exist_ok=True)
-      jax.profiler.start_trace(str(self.dir))
+      self._mirror = storage.Mirror(self.dir)  # on a bucket: traced locally, uploaded at close
+      storage.mkdir(self._mirror.local)
+      jax.profiler.start_trace(str(self._mirror.local))
       self.active = True
 
   def after(self, done: int, x: Any) -> None:
@@ -143,6 +152,7 @@ class Profile:
       jax.block_until_ready(x)
       jax.profiler.stop_trace()
       self.active = False
+      self._mirror.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,7 +267,7 @@ class MetricsLog:
       self.path.write_text("".join(l + "\n" for l in keep))
     elif resume_step is None and self.path.exists():
       self.path.unlink()
-    self._f = open(self.path, "a")
+    self._f = storage.Appender(self.path)
     if tensorboard:
       self.tb = TBWriter(out_dir / "tb",
                          purge_step=None if resume_step is None else resume_step + 1)
@@ -300,7 +310,7 @@ def without_idle_telemetry(row: dict) -> dict:
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:
-  return [json.loads(l) for l in pathlib.Path(path).read_text().splitlines() if l.strip()]
+  return [json.loads(l) for l in storage.path(path).read_text().splitlines() if l.strip()]
 
 
 def write_summary(out_dir: pathlib.Path, summary: dict) -> None:
@@ -328,4 +338,10 @@ def plot_curves(runs: dict[str, list[dict]], path: pathlib.Path, title: str = ""
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  if storage.is_url(path):
+    import io
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    path.write_bytes(buf.getvalue())
+  else:
+    fig.savefig(path, dpi=120)

@@ -9,20 +9,24 @@ import tempfile
 
 import jax
 
-from scaleopt.train import config as config_lib, identity
+from scaleopt.train import config as config_lib, identity, storage
 from scaleopt.train.config import ConfigError, TrainConfig, dump_config
 
 
 def has_checkpoints(out: pathlib.Path) -> bool:
-  ckpt_dir = pathlib.Path(out) / "checkpoints"
+  ckpt_dir = storage.path(out) / "checkpoints"
   return ckpt_dir.is_dir() and any(ckpt_dir.iterdir())
 
 
 def check_out_dir(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool) -> dict:
   """Reads only: ``--out`` is (or can become) a writable directory, one that holds
   checkpoints is reused only with ``--resume``, and then only with a config that may resume
-  (``config.check_resume``). Returns the resumable changes."""
-  out = pathlib.Path(out_dir)
+  (``config.check_resume``). Returns the resumable changes. A bucket folder (``gs://``) is
+  probed by writing and deleting an object."""
+  out = storage.path(out_dir)
+  if storage.is_url(out):
+    storage.check_writable(out)
+    return _reuse(cfg, out, resume)
   probe = out
   while not probe.exists() and probe != probe.parent:
     probe = probe.parent
@@ -33,6 +37,10 @@ def check_out_dir(cfg: TrainConfig, out_dir: str | pathlib.Path, resume: bool) -
   except OSError as e:
     raise ConfigError(f"--out {str(out)!r} is not writable ({e.strerror or e} in "
                       f"{str(probe)!r})") from None
+  return _reuse(cfg, out, resume)
+
+
+def _reuse(cfg: TrainConfig, out: storage.Path, resume: bool) -> dict:
   if has_checkpoints(out) and not resume:
     raise ConfigError(f"{str(out)!r} already holds checkpoints; pass --resume to continue that "
                       "run or choose another --out")
@@ -43,15 +51,15 @@ def data_record(cfg: TrainConfig, out: str | pathlib.Path, resume: bool) -> dict
   """What the run trains on (``identity.describe``); resuming a run that has checkpoints, the
   record it wrote when it started must match (else a one-line ConfigError)."""
   record = identity.describe(cfg)
-  if resume and has_checkpoints(pathlib.Path(out)):
-    identity.check(pathlib.Path(out), record)
+  if resume and has_checkpoints(storage.path(out)):
+    identity.check(storage.path(out), record)
   return record
 
 
 def start_outputs(cfg: TrainConfig, out: pathlib.Path, resuming: bool) -> None:
   """config.yaml is written when a run starts and never rewritten: a resumed run's changes go
   to config_history.jsonl (``config.record_changes``)."""
-  out.mkdir(parents=True, exist_ok=True)
+  storage.mkdir(out)
   if jax.process_index() != 0 or (resuming and (out / "config.yaml").exists()):
     return
   dump_config(cfg, out / "config.yaml")
