@@ -385,6 +385,8 @@ def study_main(config: str, out: str, overrides: Optional[list[str]] = None,
   from scaleopt.train.data import DataError
   try:
     st = study_config.load(config, overrides)
+    from scaleopt.train import determinism  # one process trains many cells: flags for all
+    determinism.prepare(any(determinism.wanted(st.cell_raw(c)) for c in st.search_cells()))
     if max_minutes is not None and max_minutes <= 0:
       raise ConfigError(f"--max-minutes {max_minutes} must be > 0")
     if list_only:

@@ -42,7 +42,10 @@ _numbers = numbers  # the old private name
 
 @dataclasses.dataclass
 class RunConfig:
-  seed: int = 0
+  seed: int = 0  # initialization and per-step keys (and the data order unless data.seed is set)
+  # bitwise-reproducible steps on one card and software: XLA's deterministic GPU programs
+  # (scaleopt.train.determinism); summary.json then records a digest of the final state
+  deterministic: bool = False
   steps: int = spec(200, gt=0)
   log_every: int = spec(10, gt=0)
   eval_every: int = spec(100, min=0)  # 0: only at the end
@@ -76,6 +79,7 @@ class DataConfig:
   seq_len: int = spec(128, gt=0)
   batch_size: int = spec(32, gt=0)  # sequences per step (per group for the A/B layout)
   microbatches: int = spec(4, gt=0)  # microbatches per group; batch_size must be divisible by it
+  seed: Optional[int] = None  # the training data's order; None: run.seed (``data_seed``)
 
 
 @dataclasses.dataclass
@@ -109,6 +113,11 @@ class TrainConfig:
     out = {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)
            if f.name != "built"}
     return {**out, "model": to_dict(self.model.section)}
+
+
+def data_seed(cfg: TrainConfig) -> int:
+  """The seed of the training data's order: ``data.seed``, or ``run.seed`` when unset."""
+  return cfg.run.seed if cfg.data.seed is None else cfg.data.seed
 
 
 _SECTIONS = {"run": RunConfig, "data": DataConfig, "mesh": MeshConfig}

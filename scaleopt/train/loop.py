@@ -23,9 +23,9 @@ import numpy as np
 import optax
 
 from scaleopt import models, optim
-from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data, faults,
-                            identity, mesh as mesh_lib, metrics, phased as phased_lib,
-                            step as step_lib)
+from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data,
+                            determinism, faults, identity, mesh as mesh_lib, metrics,
+                            phased as phased_lib, provenance, step as step_lib)
 from scaleopt.train.config import ConfigError, TrainConfig, dump_config
 
 # Dense bf16 peak FLOP/s per chip, matched against ``device_kind``.
@@ -61,6 +61,7 @@ class Setup:
 
 def setup(cfg: TrainConfig) -> Setup:
   """Builds data, model, optimizer and mesh; every user error surfaces here."""
+  determinism.prepare(cfg.run.deterministic)  # before anything starts JAX's backend
   mesh_lib.maybe_initialize_distributed(cfg.mesh.distributed)
   metrics.check_outputs(cfg.run.wandb, cfg.run.profile, cfg.run.tensorboard)
   model = bridge.make_model(cfg.model)
@@ -375,7 +376,8 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
   # Data: training batches in the optimizer's layout, a fixed held-out set on the devices.
   pi, pc = jax.process_index(), jax.process_count()
   it = data.Batches(s.train_w, d.batch_size, d.microbatches, groups=s.spec.num_groups,
-                    rolling_b=s.spec.layout == "rolling_b", seed=r.seed, process_index=pi,
+                    rolling_b=s.spec.layout == "rolling_b", seed=config_lib.data_seed(cfg),
+                    process_index=pi,
                     process_count=pc)
   ev = data.eval_set(s.val_w, r.eval_tokens)
   evaluate = make_evaluate(cfg, fns, ev, is_main)
@@ -412,13 +414,14 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
     cells = Cells(1, step, feed, [log], lambda st: np.array([evaluate(
         optim.eval_params(st.opt_state, st.params))]), save, sig.stop,
         metrics.Profile(out / "profile", r.profile))
-    res, _ = run_cells(cfg, s, cells, state, step0, meter, is_main)
+    res, state = run_cells(cfg, s, cells, state, step0, meter, is_main)
   finally:
     if feed is not None:
       feed.close()
     log.close()
     ckpt.close()
-  summary = {**summarize(cfg, s, res, meter, start), **eval_identity(ev)}
+  summary = {**summarize(cfg, s, res, meter, start), **eval_identity(ev),
+             **run_provenance(cfg, record, state)}
   if is_main:
     metrics.write_summary(out, summary)
     if r.plot:
@@ -427,6 +430,17 @@ def _train(cfg: TrainConfig, out_dir, resume: bool, s: Optional[Setup], sig) -> 
                           f"{s.model.cfg.n_layers}L, {cfg.optimizer.name}")
   _raise_for_stop(res, ckpt, r.max_consecutive_skips)
   return summary
+
+
+def run_provenance(cfg: TrainConfig, record: dict, state) -> dict:
+  """The summary's ``provenance`` (``train.provenance``) and, for a deterministic run whose
+  state this process holds whole, ``state_sha256``: the digest of the final train state
+  (parameters, optimizer state, step, key), equal across bitwise-equal runs."""
+  out = {"provenance": provenance.collect(cfg.run.deterministic, record)}
+  if cfg.run.deterministic:
+    whole = all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(state))
+    out["state_sha256"] = determinism.state_digest(state) if whole else None
+  return out
 
 
 FORMAT = "state_format"  # key of the checkpoint's data item that describes the state's layout
