@@ -119,8 +119,9 @@ def probe(reps: int = 5) -> dict:
 
 
 def worker(args) -> int:
-  from scaleopt.train import checkpoint, determinism
-  determinism.prepare(args.deterministic)  # before the probe starts the backend
+  from scaleopt.train import checkpoint, determinism, mesh
+  mesh.set_launch_xla_flags()  # what `scaleopt train` sets, before the probe starts the backend
+  determinism.prepare(args.deterministic)
   checkpoint.Checkpointer.save = lambda self, *a, **k: None  # no final checkpoint write
   from scaleopt import cli
   rec = {"deterministic": args.deterministic, "xla_flags": os.environ.get("XLA_FLAGS", "")}

@@ -39,9 +39,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from scaleopt import optim
-from scaleopt.train import (checkpoint, data, loop, mesh as mesh_lib, metrics,
+from scaleopt.train import (checkpoint, data, identity, loop, mesh as mesh_lib, metrics,
                             phased, step as step_lib)
-from scaleopt.train.config import ConfigError, TrainConfig, dump_config
+from scaleopt.train.config import ConfigError, TrainConfig, data_seed, dump_config
 
 
 def lr_scaled(tx: optax.GradientTransformation, lr: jax.Array
@@ -175,12 +175,13 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
     raise ValueError("the vmapped cell engine runs on one device; use engine.kind=loop")
   r, d = c0.run, c0.data
   seeds = [c.run.seed for c in cfgs]
+  data_seeds = [data_seed(c) for c in cfgs]
   lrs = jnp.asarray([c.optimizer.learning_rate for c in cfgs], jnp.float32)
-  shared = len(set(seeds)) == 1
+  shared = len(set(data_seeds)) == 1
   fns = group_fns(s, n, shared, key)
   its = [data.Batches(s.train_w, d.batch_size, d.microbatches, groups=s.spec.num_groups,
                       rolling_b=s.spec.layout == "rolling_b", seed=sd)
-         for sd in (seeds[:1] if shared else seeds)]
+         for sd in (data_seeds[:1] if shared else data_seeds)]
   sets = data.heldout_eval_sets(s.val_w, r.eval_tokens)
   parts = {p: None if ev is None else jnp.asarray(ev.microbatches(loop.eval_microbatch(c0))[0])
            for p, ev in sets.items()}
@@ -223,7 +224,7 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
     for log in logs:
       log.close()
   test = evaluate(state, "test") if res.interrupted is None else np.full(n, np.nan)
-  return _finish(cfgs, dirs, s, res, meter, resume_step, sets, test)
+  return _finish(cfgs, dirs, s, res, meter, resume_step, sets, test, state)
 
 
 def _restore_group(cfgs, s, fns, ckpts, its, resume_step, seeds):
@@ -242,10 +243,11 @@ def _restore_group(cfgs, s, fns, ckpts, its, resume_step, seeds):
   return state
 
 
-def _finish(cfgs, dirs, s, res, meter, resume_step, sets, test) -> GroupResult:
-  """Each cell's status and summary.json (the trainer's, plus the group's wall time and the
-  test set), and its loss plot."""
+def _finish(cfgs, dirs, s, res, meter, resume_step, sets, test, state) -> GroupResult:
+  """Each cell's status and summary.json (the trainer's, plus the group's wall time, the
+  test set and the provenance), and its loss plot."""
   n = len(cfgs)
+  record = identity.describe(cfgs[0])  # one data record: the cells share data and tokenizer
   wall = time.time() - meter.t0
   status, summaries = [], []
   for i, (c, dd) in enumerate(zip(cfgs, dirs)):
@@ -253,7 +255,8 @@ def _finish(cfgs, dirs, s, res, meter, resume_step, sets, test) -> GroupResult:
                   else "diverged" if res.diverged[i] else "ok")
     summ = {**loop.summarize(c, s, res, meter, resume_step, cell=i),
             "group_wall_time_s": wall, "cells_at_once": n, **loop.eval_identity(sets["val"]),
-            "test_set": loop.eval_identity(sets["test"])["eval_set"]}
+            "test_set": loop.eval_identity(sets["test"])["eval_set"],
+            **loop.run_provenance(c, record, _slice(state, i))}
     metrics.write_summary(dd, summ)
     summaries.append(summ)
     if c.run.plot:

@@ -292,7 +292,8 @@ def dump_config(cfg: TrainConfig, path: str | pathlib.Path) -> None:
 # Keys (and sections, with everything under them) a resumed run may change: when and how much
 # to train, log, evaluate, profile and checkpoint, the schedule's end, the device layout, and
 # ``model.init_from`` (only read by fresh runs), and where Shampoo keeps its statistics
-# (``offload_statistics``: where the statistics live, not what they are). Anything else (seed,
+# (``offload_statistics``: where the statistics live, not what they are), and
+# ``run.deterministic`` (how XLA computes, not what). Anything else (seed,
 # data, model, optimizer) would make the continued run a different experiment than its
 # checkpoints.
 RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_tokens",
@@ -301,7 +302,7 @@ RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_tokens",
              "run.peak_flops", "run.wandb", "run.profile", "run.telemetry_every", "run.host_phases",
              "optimizer.schedule.total_steps", "model.init_from", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.distributed",
              "mesh.shard_optimizer", "optimizer.extra.block_major",
-             "optimizer.extra.offload_statistics")
+             "optimizer.extra.offload_statistics", "run.deterministic")
 HISTORY = "config_history.jsonl"
 
 
