@@ -226,9 +226,6 @@ def _own_baselines(st, conds: list[Condition], has_grid: bool) -> list[str]:
                                  + [ob.arm, d, ver]) + " |")
   if not out:
     return []
-  if any(r.get("provenance") for r in rows):  # cells recorded with their provenance
-    lines[3:3] = ["Cells came from " + provenance.describe_sources(
-        [r.get("provenance") for r in rows]) + ".", ""]
   head = ["arm"] + (["grid"] if has_grid else []) + ["own baseline", "diff [95% CI]", "verdict"]
   return ["", "Against each arm's own baseline (its standard form, each at its best lr; paired "
           "by seed):", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"] + out
@@ -339,9 +336,6 @@ def summary_md(st, rows: list[dict], conds: list[Condition], planned: set[str]) 
   lines += ["", "## Learning-rate search", "",
             "Mean `val` loss over the search seeds (inf: a seed diverged; - : unfinished).", ""]
   all_lrs = sorted({lr for a in st.arms for lr in st.lrs(a)})
-  if any(r.get("provenance") for r in rows):  # cells recorded with their provenance
-    lines[3:3] = ["Cells came from " + provenance.describe_sources(
-        [r.get("provenance") for r in rows]) + ".", ""]
   head = ["arm"] + (["grid"] if has_grid else []) + [f"{lr:g}" for lr in all_lrs]
   lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
   for c in conds:
