@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on one GPU (H100 or H200), from the repo root of the device's copy:
-#   [STEPS=16] [NONDET_RUNS=2] [SECONDS_MAX=460] [DATA=runs/corpus] OUT=$OUT \
+#   [STEPS=16] [NONDET_RUNS=2] [SECONDS_MAX=440] [DATA=runs/corpus] OUT=$OUT \
 #     bash lab/gpu/determinism_call.sh
 # run.deterministic at the paper's step (gpt2-small, 512 x 1024 tokens as 64 microbatches of 8,
 # configs/studies/bc_paper_gpt2.yaml's settings) for AdamW and one-pass LOO (the study's `loo`
@@ -13,12 +13,14 @@
 # Data: the embedded corpus, or DATA (default runs/corpus when a bc_paper call left it there).
 # $OUT gets determinism.md (the table), determinism.json (everything), logs.txt (the tail of
 # each process's log) and gpus.txt. Exit 0 when every deterministic pair is bitwise equal.
+# BENCH_ARGS: more arguments of benchmarks/determinism.py (a CPU check of this script:
+# BENCH_ARGS="--config configs/train/tiny.yaml --shape config --no-probe" STEPS=4).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/determinism_out}
 work=runs/determinism
 start=$(date +%s)
-limit=${SECONDS_MAX:-460}
+limit=${SECONDS_MAX:-440}
 mkdir -p "$out" runs
 rm -rf "$work"
 data=${DATA:-}
@@ -28,7 +30,7 @@ data=${DATA:-}
   > "$out/gpus.txt" 2>&1
 python benchmarks/determinism.py --out "$work" --steps "${STEPS:-16}" \
   --nondet-runs "${NONDET_RUNS:-2}" --deadline $(( start + limit )) \
-  ${data:+--data "$data"} > "$work.log" 2>&1
+  ${data:+--data "$data"} ${BENCH_ARGS:-} > "$work.log" 2>&1
 rc=$?
 cp "$work/determinism.md" "$work/determinism.json" "$out/" 2>/dev/null
 { cat "$work.log"; for f in "$work"/logs/*.log; do echo "== $f"; grep -v "^\s*$" "$f" | tail -n 40; done; } \
