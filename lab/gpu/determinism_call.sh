@@ -13,6 +13,8 @@
 # Data: the embedded corpus, or DATA (default runs/corpus when a bc_paper call left it there).
 # $OUT gets determinism.md (the table), determinism.json (everything), logs.txt (the tail of
 # each process's log) and gpus.txt. Exit 0 when every deterministic pair is bitwise equal.
+# SCALEOPT_COMMIT=<sha> (and SCALEOPT_DIRTY=0/1) put the commit into the runs' provenance where
+# the device's copy of the tree has no .git.
 # BENCH_ARGS: more arguments of benchmarks/determinism.py (a CPU check of this script:
 # BENCH_ARGS="--config configs/train/tiny.yaml --shape config --no-probe" STEPS=4).
 set -uo pipefail

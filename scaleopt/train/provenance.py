@@ -39,11 +39,15 @@ def _git(*args: str) -> Optional[str]:
   return out.stdout
 
 
-def source_state() -> dict:
+def source_state(environ=os.environ) -> dict:
   """``{"commit", "dirty"}`` of the git checkout holding the imported scaleopt (dirty: a
-  tracked file differs from the commit); both None for an installed wheel or without git."""
+  tracked file differs from the commit). Outside a checkout (an installed wheel, a copy of the
+  tree without ``.git``): ``SCALEOPT_COMMIT`` and ``SCALEOPT_DIRTY`` (``1``/``0``) when the
+  launcher sets them, else None."""
   if not (_SOURCE / ".git").exists():
-    return {"commit": None, "dirty": None}
+    dirty = environ.get("SCALEOPT_DIRTY")
+    return {"commit": environ.get("SCALEOPT_COMMIT") or None,
+            "dirty": None if dirty is None else dirty == "1"}
   head = _git("rev-parse", "HEAD")
   status = _git("status", "--porcelain", "--untracked-files=no")
   return {"commit": head.strip() if head else None,

@@ -60,7 +60,9 @@ def test_source_state_is_the_checkout_of_the_imported_package():
 
 def test_source_state_outside_a_checkout(monkeypatch, tmp_path):
   monkeypatch.setattr(provenance, "_SOURCE", tmp_path)
-  assert provenance.source_state() == {"commit": None, "dirty": None}
+  assert provenance.source_state({}) == {"commit": None, "dirty": None}
+  env = {"SCALEOPT_COMMIT": "c" * 40, "SCALEOPT_DIRTY": "1"}
+  assert provenance.source_state(env) == {"commit": "c" * 40, "dirty": True}
 
 
 def test_collect_names_versions_flags_and_devices(monkeypatch):
