@@ -134,3 +134,17 @@ def describe_sources(provs: list) -> str:
     kind = p.get("device_kind")
     cards.append("not recorded" if kind is None else f"{p.get('devices', 1)}x {kind}")
   return f"commits {count(commits)}; cards {count(cards)}"
+
+
+def run_entry(cfg, record: Optional[dict], state) -> dict:
+  """A run's summary entries: ``provenance`` (``collect``) and, for a deterministic run whose
+  state this process holds whole, ``state_sha256``: the digest of its final train state
+  (parameters, optimizer state, step, key), equal across bitwise-equal runs."""
+  out = {"provenance": collect(cfg.run.deterministic, record)}
+  if cfg.run.deterministic:
+    import jax
+
+    from scaleopt.train import determinism
+    whole = all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(state))
+    out["state_sha256"] = determinism.state_digest(state) if whole else None
+  return out
