@@ -73,3 +73,16 @@ def test_a_cell_folder_recorded_before_data_seed_existed_still_matches(tmp_path)
   (d / "cell.json").write_text(json.dumps(meta))
   with pytest.raises(ConfigError, match="data.seed=4"):
     runner.check_cell_folder(st, cell, d)
+
+
+def test_data_seed_is_a_study_axis_beside_the_run_seed():
+  from scaleopt.train.config import data_seed
+  raw = {**_raw(), "seeds": [0, 1], "grid": {"data.seed": [5, 6]}}
+  st = SC.from_dict(raw, BC_TINY)
+  arm, lr = st.search_cells()[0].arm, st.search_cells()[0].lr
+  cells = [c for c in st.search_cells() if c.arm == arm and c.lr == lr]
+  cfgs = {(c.seed, dict(c.grid)["data.seed"]): st.cell_config(c) for c in cells}
+  assert {(k, (cf.run.seed, data_seed(cf))) for k, cf in cfgs.items()} == {
+      ((r, d), (r, d)) for r in (0, 1) for d in (5, 6)}
+  # the vmapped engine groups cells that differ in run.seed only: one data order per group
+  assert SC.group_key(cfgs[0, 5]) == SC.group_key(cfgs[1, 5]) != SC.group_key(cfgs[0, 6])
