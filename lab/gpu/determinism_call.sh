@@ -5,8 +5,8 @@
 # run.deterministic at the paper's step (gpt2-small, 512 x 1024 tokens as 64 microbatches of 8,
 # configs/studies/bc_paper_gpt2.yaml's settings) for AdamW and one-pass LOO (the study's `loo`
 # arm): benchmarks/determinism.py trains both optimizers STEPS steps in each of the processes
-# det1, nondet1, det2, nondet2 (one process each, in that order; a process is started only if
-# the time left holds it), compares every logged value of det1 and det2 bit for bit (and the
+# det1, nondet1, det2, nondet2 (one process each, in that order; the first three start while a
+# minute of SECONDS_MAX is left, nondet2 only if the longest process so far fits), compares every logged value of det1 and det2 bit for bit (and the
 # final state's digest), and times each run (ms/step after the first quarter of the steps).
 # Each process first calls a few single operations five times (cuDNN attention forward +
 # backward, the embedding gradient's scatter-add, a matmul) and counts distinct results.
