@@ -86,3 +86,40 @@ def test_data_seed_is_a_study_axis_beside_the_run_seed():
       ((r, d), (r, d)) for r in (0, 1) for d in (5, 6)}
   # the vmapped engine groups cells that differ in run.seed only: one data order per group
   assert SC.group_key(cfgs[0, 5]) == SC.group_key(cfgs[1, 5]) != SC.group_key(cfgs[0, 6])
+
+
+@pytest.mark.integration  # a vmapped group trains (one compile)
+def test_vmapped_cells_take_their_data_order_from_data_seed_and_record_provenance(
+    tmp_path, monkeypatch):
+  import pathlib
+  import sys
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "train"))
+  from train_helpers import tiny_raw
+
+  from scaleopt.study import vmapped
+  from scaleopt.train import config as C, data as D
+
+  def cfg(seed, data_seed):
+    return C.from_dict(tiny_raw(
+        run={"steps": 3, "log_every": 1, "eval_every": 0, "eval_tokens": 256,
+             "checkpoint_every": 0, "tensorboard": False, "seed": seed, "deterministic": True},
+        data={"seq_len": 32, "batch_size": 8, "microbatches": 2, "seed": data_seed}))
+
+  made = []
+  real = D.Batches.__init__
+  monkeypatch.setattr(D.Batches, "__init__",
+                      lambda self, *a, seed=0, **k: (made.append(seed), real(self, *a, seed=seed,
+                                                                            **k))[1])
+  # two initializations, one data order: one iterator for both cells
+  res = vmapped.train_group([cfg(0, 7), cfg(1, 7)], [tmp_path / "a", tmp_path / "b"],
+                            resume_step=None, key="p")
+  assert made == [7] and res.status == ["ok", "ok"]
+  sa, sb = res.summaries
+  assert sa["provenance"]["deterministic"] is True
+  assert sa["provenance"]["corpus"]["content_sha256"] == sb["provenance"]["corpus"]["content_sha256"]
+  assert sa["state_sha256"] != sb["state_sha256"]  # other initializations, other final states
+  # data.seed unset: each cell's order follows its run.seed
+  made.clear()
+  vmapped.train_group([cfg(0, None), cfg(1, None)], [tmp_path / "c", tmp_path / "d"],
+                      resume_step=None, key="p")
+  assert made == [0, 1]
