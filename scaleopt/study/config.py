@@ -53,7 +53,11 @@ LR_KEY, SEED_KEY = "optimizer.learning_rate", "run.seed"
 # folder is checked against the study.
 COSMETIC = ("run.progress", "run.tensorboard", "run.plot", "run.async_checkpoint",
             "run.peak_flops", "run.keep_checkpoints", "run.checkpoint_every", "run.wandb",
-            "run.wandb.", "run.profile", "run.profile.", "run.telemetry_every", "mesh.")
+            "run.wandb.", "run.profile", "run.profile.", "run.telemetry_every", "mesh.",
+            "run.deterministic")
+# Training keys added after cell folders were first recorded: the value an older folder's
+# record (which lacks the key) ran with.
+ADDED_KEYS = {"data.seed": None}
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
 

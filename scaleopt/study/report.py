@@ -24,6 +24,7 @@ import numpy as np
 from scipy import stats as sps
 
 from scaleopt.study import store
+from scaleopt.train import provenance
 
 COLUMNS = ("cell", "arm", "lr", "seed", "stage", "status", "steps", "tokens", "gradient_passes",
            "val_loss", "test_loss", "train_loss", "wall_time_s", "tokens_per_s",
@@ -92,7 +93,25 @@ def read_rows(out: pathlib.Path) -> list[dict]:
   same held-out sets (``check_eval_sets``)."""
   rows = sorted(store.rows(pathlib.Path(out)), key=lambda r: r["id"])
   check_eval_sets(rows)
+  check_corpora(rows)
   return rows
+
+
+def check_corpora(rows: list[dict]) -> None:
+  """ConfigError (one line naming two cells) when cells were trained on different corpora
+  (the ``content_sha256`` of their provenance: every shard and the tokenizer). Cells recorded
+  without one (before provenance was kept) are not compared."""
+  from scaleopt.config import ConfigError
+  first = {}
+  for r in rows:
+    key = provenance.corpus_key(r.get("provenance"))
+    if key is not None:
+      first.setdefault(key, r)
+  if len(first) > 1:
+    (ha, a), (hb, b) = list(first.items())[:2]
+    raise ConfigError(f"cells {a.get('id')} and {b.get('id')} were trained on different "
+                      f"corpora ({str(ha)[:12]} vs {str(hb)[:12]}: other shards or tokenizer); "
+                      "a report compares only cells trained on the same corpus")
 
 
 def check_eval_sets(rows: list[dict]) -> None:
@@ -276,6 +295,9 @@ def summary_md(st, rows: list[dict], conds: list[Condition], planned: set[str]) 
            f"differences from `{st.baseline}` are paired by seed (t-interval of the per-seed "
            "differences). Verdict: `lower`/`higher` when the interval excludes 0, else `n.s.`.",
            ""]
+  if any(r.get("provenance") for r in rows):  # cells recorded with their provenance
+    lines[3:3] = ["Cells came from " + provenance.describe_sources(
+        [r.get("provenance") for r in rows]) + ".", ""]
   head = ["arm"] + (["grid"] if has_grid else []) + [
       "best lr", "seeds", "test loss [95% CI]", "grad passes", f"diff vs {st.baseline} [95% CI]",
       "verdict", "at equal grad passes"]

@@ -75,6 +75,7 @@ def check_cell_folder(st: Study, cell: Cell, d: pathlib.Path) -> None:
   if not meta.is_file():
     return
   old = json.loads(meta.read_text())["config"]
+  old = {**{k: v for k, v in study_config.ADDED_KEYS.items() if k not in old}, **old}
   new = study_config.fingerprint(st.cell_config(cell).to_dict())
   for k in sorted(set(old) | set(new)):
     if old.get(k, "<absent>") != new.get(k, "<absent>"):
@@ -385,6 +386,8 @@ def study_main(config: str, out: str, overrides: Optional[list[str]] = None,
   from scaleopt.train.data import DataError
   try:
     st = study_config.load(config, overrides)
+    from scaleopt.train import determinism  # one process trains many cells: flags for all
+    determinism.prepare(any(determinism.wanted(st.cell_raw(c)) for c in st.search_cells()))
     if max_minutes is not None and max_minutes <= 0:
       raise ConfigError(f"--max-minutes {max_minutes} must be > 0")
     if list_only:

@@ -6,6 +6,8 @@ Each line is one finished cell::
    "config":  {the cell's training config, flattened, without cosmetic keys}
    "result":  {status, val_loss, test_loss, gradient_passes, ...},   one results.csv row
    "summary": {the run's summary.json},
+   "provenance": {commit, dirty, corpus hashes, versions, XLA flags, deterministic, devices}
+                (scaleopt.train.provenance; the summary's, null for cells recorded before it),
    "curves":  {"loss": [[step, value], ...], "eval_loss": [[step, value], ...]}}
 
 A cell trains in a work folder ``DIR/cells/<arm>/<key>/`` (config, metrics, checkpoints); once
@@ -133,9 +135,9 @@ def record(d: pathlib.Path) -> dict:
       k: res[k] for k in CELL_KEYS if k in res}
   cell.setdefault("id", res["id"])
   summ = d / "summary.json"
-  return {"cell": cell, "config": meta.get("config"), "result": res,
-          "summary": json.loads(summ.read_text()) if summ.is_file() else {},
-          "curves": _curves(d / "metrics.jsonl")}
+  summary = json.loads(summ.read_text()) if summ.is_file() else {}
+  return {"cell": cell, "config": meta.get("config"), "result": res, "summary": summary,
+          "provenance": summary.get("provenance"), "curves": _curves(d / "metrics.jsonl")}
 
 
 def finished_folders(out: pathlib.Path) -> list[pathlib.Path]:
@@ -173,7 +175,7 @@ def finished(out: pathlib.Path) -> list[dict]:
 
 def rows(out: pathlib.Path) -> list[dict]:
   """One dict per finished cell (``finished``): its result (NaN for missing losses), its
-  ``curves`` and its ``config`` fingerprint."""
+  ``curves``, its ``config`` fingerprint and its ``provenance``."""
   out_rows = []
   for rec in finished(out):
     r = dict(rec["result"])
@@ -182,6 +184,7 @@ def rows(out: pathlib.Path) -> list[dict]:
         r[k] = math.nan
     r["curves"] = {k: {s: v for s, v in rec.get("curves", {}).get(k, [])} for k in CURVE_KEYS}
     r["config"] = rec.get("config")
+    r["provenance"] = rec.get("provenance") or rec.get("summary", {}).get("provenance")
     out_rows.append(r)
   return out_rows
 

@@ -39,9 +39,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from scaleopt import optim
-from scaleopt.train import (checkpoint, data, evaluation, loop, mesh as mesh_lib, metrics,
-                            phased, prefetch, step as step_lib, summary)
-from scaleopt.train.config import ConfigError, TrainConfig, dump_config
+from scaleopt.train import (checkpoint, data, evaluation, identity, loop, mesh as mesh_lib,
+                            metrics, phased, prefetch, provenance, step as step_lib, summary)
+from scaleopt.train.config import ConfigError, TrainConfig, data_seed, dump_config
 
 
 def lr_scaled(tx: optax.GradientTransformation, lr: jax.Array
@@ -176,13 +176,14 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
     raise ValueError("the vmapped cell engine runs on one device; use engine.kind=loop")
   run, data_cfg = first.run, first.data
   seeds = [c.run.seed for c in cfgs]
+  data_seeds = [data_seed(c) for c in cfgs]
   lrs = jnp.asarray([c.optimizer.learning_rate for c in cfgs], jnp.float32)
-  shared = len(set(seeds)) == 1
+  shared = len(set(data_seeds)) == 1
   fns = group_fns(group_setup, n, shared, key)
   its = [data.Batches(group_setup.train_w, data_cfg.batch_size, data_cfg.microbatches,
                       groups=group_setup.spec.num_groups,
                       rolling_b=group_setup.spec.layout == "rolling_b", seed=seed)
-         for seed in (seeds[:1] if shared else seeds)]
+         for seed in (data_seeds[:1] if shared else data_seeds)]
   sets = data.heldout_eval_sets(group_setup.val_w, run.eval_tokens)
   size = evaluation.eval_microbatch(first)
   parts = {p: None if ev is None else jnp.asarray(ev.microbatches(size)[0])
@@ -227,7 +228,7 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
     for log in logs:
       log.close()
   test = evaluate(state, "test") if res.interrupted is None else np.full(n, np.nan)
-  return _finish(cfgs, dirs, group_setup, res, meter, resume_step, sets, test)
+  return _finish(cfgs, dirs, group_setup, res, meter, resume_step, sets, test, state)
 
 
 def _restore_group(cfgs, group_setup, fns, ckpts, its, resume_step, seeds):
@@ -246,10 +247,11 @@ def _restore_group(cfgs, group_setup, fns, ckpts, its, resume_step, seeds):
   return state
 
 
-def _finish(cfgs, dirs, group_setup, res, meter, resume_step, sets, test) -> GroupResult:
-  """Each cell's status and summary.json (the trainer's, plus the group's wall time and the
-  test set), and its loss plot."""
+def _finish(cfgs, dirs, group_setup, res, meter, resume_step, sets, test, state) -> GroupResult:
+  """Each cell's status and summary.json (the trainer's, plus the group's wall time, the
+  test set and the provenance), and its loss plot."""
   n = len(cfgs)
+  record = identity.describe(cfgs[0])  # one data record: the cells share data and tokenizer
   wall = time.time() - meter.t0
   status, summaries = [], []
   for i, (c, cell_dir) in enumerate(zip(cfgs, dirs)):
@@ -257,7 +259,8 @@ def _finish(cfgs, dirs, group_setup, res, meter, resume_step, sets, test) -> Gro
                   else "diverged" if res.diverged[i] else "ok")
     summ = {**summary.summarize(c, group_setup, res, meter, resume_step, cell=i),
             "group_wall_time_s": wall, "cells_at_once": n, **evaluation.eval_identity(sets["val"]),
-            "test_set": evaluation.eval_identity(sets["test"])["eval_set"]}
+            "test_set": evaluation.eval_identity(sets["test"])["eval_set"],
+            **provenance.run_entry(c, record, _slice(state, i))}
     metrics.write_summary(cell_dir, summ)
     summaries.append(summ)
     if c.run.plot:

@@ -46,7 +46,10 @@ WD_POLICIES = ("iwd", "all", "matrices-only")
 
 @dataclasses.dataclass
 class RunConfig:
-  seed: int = 0
+  seed: int = 0  # initialization and per-step keys (and the data order unless data.seed is set)
+  # bitwise-reproducible steps on one card and software: XLA's deterministic GPU programs
+  # (scaleopt.train.determinism); summary.json then records a digest of the final state
+  deterministic: bool = False
   steps: int = spec(200, gt=0)
   log_every: int = spec(10, gt=0)
   eval_every: int = spec(100, min=0)  # 0: only at the end
@@ -80,6 +83,7 @@ class DataConfig:
   seq_len: int = spec(128, gt=0)
   batch_size: int = spec(32, gt=0)  # sequences per step (per group for the A/B layout)
   microbatches: int = spec(4, gt=0)  # microbatches per group; batch_size must be divisible by it
+  seed: Optional[int] = None  # the training data's order; None: run.seed (``data_seed``)
 
 
 @dataclasses.dataclass
@@ -110,6 +114,11 @@ class TrainConfig:
     if self.written_warmup is not None:
       out["optimizer"]["schedule"]["warmup_steps"] = self.written_warmup
     return {**out, "model": to_dict(self.model.section)}
+
+
+def data_seed(cfg: TrainConfig) -> int:
+  """The seed of the training data's order: ``data.seed``, or ``run.seed`` when unset."""
+  return cfg.run.seed if cfg.data.seed is None else cfg.data.seed
 
 
 _SECTIONS = {"run": RunConfig, "data": DataConfig, "mesh": MeshConfig}
@@ -348,7 +357,8 @@ def dump_config(cfg: TrainConfig, path: str | pathlib.Path) -> None:
 # Keys (and sections, with everything under them) a resumed run may change: when and how much
 # to train, log, evaluate, profile and checkpoint, the schedule's end, the device layout, and
 # ``model.init_from`` (only read by fresh runs), and where Shampoo keeps its statistics
-# (``offload_statistics``: where the statistics live, not what they are). Anything else (seed,
+# (``offload_statistics``: where the statistics live, not what they are), and
+# ``run.deterministic`` (how XLA computes, not what). Anything else (seed,
 # data, model, optimizer) would make the continued run a different experiment than its
 # checkpoints.
 RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_tokens",
@@ -358,7 +368,7 @@ RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_tokens",
              "run.host_phases", "optimizer.schedule.total_steps", "model.init_from", "mesh.data",
              "mesh.fsdp", "mesh.tensor", "mesh.distributed", "mesh.shard_optimizer",
              "optimizer.extra.block_major",
-             "optimizer.extra.offload_statistics")
+             "optimizer.extra.offload_statistics", "run.deterministic")
 HISTORY = "config_history.jsonl"
 
 

@@ -27,10 +27,10 @@ import numpy as np
 import optax
 
 from scaleopt import models, optim
-from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data, evaluation,
-                            faults, flops, identity, mesh as mesh_lib, metrics,
-                            phased as phased_lib, preflight, prefetch, progress,
-                            step as step_lib, storage, summary as summary_lib)
+from scaleopt.train import (bridge, checkpoint, config as config_lib, convert, data,
+                            determinism, evaluation, faults, flops, identity, mesh as mesh_lib,
+                            metrics, phased as phased_lib, preflight, prefetch, progress,
+                            provenance, step as step_lib, storage, summary as summary_lib)
 from scaleopt.train.config import ConfigError, TrainConfig
 
 
@@ -52,6 +52,7 @@ def setup(cfg: TrainConfig) -> Setup:
   """Builds data, model, optimizer (once: ``bridge.run_optimizer``; the lr metric reads its
   schedule) and mesh; every user error surfaces here. A ``model.init_from`` source's
   architecture is read here where the config leaves it open."""
+  determinism.prepare(cfg.run.deterministic)  # before anything starts JAX's backend
   mesh_lib.maybe_initialize_distributed(cfg.mesh.distributed)
   metrics.check_outputs(cfg.run.wandb, cfg.run.profile, cfg.run.tensorboard)
   cfg = bridge.with_source_architecture(cfg)
@@ -239,7 +240,7 @@ def _train(cfg: TrainConfig, out: pathlib.Path, resume: bool, parts: Optional[Se
   # Data: training batches in the optimizer's layout, a fixed held-out set on the devices.
   batches = data.Batches(parts.train_w, data_cfg.batch_size, data_cfg.microbatches,
                          groups=parts.spec.num_groups, rolling_b=parts.spec.layout == "rolling_b",
-                         seed=run.seed, process_index=jax.process_index(),
+                         seed=config_lib.data_seed(cfg), process_index=jax.process_index(),
                          process_count=jax.process_count())
   eval_set = data.eval_set(parts.val_w, run.eval_tokens)
   evaluate = evaluation.make_evaluate(cfg, compiled, eval_set, is_main)
@@ -279,14 +280,14 @@ def _train(cfg: TrainConfig, out: pathlib.Path, resume: bool, parts: Optional[Se
     cells = Cells(1, step, feed, [log], lambda st: np.array([evaluate(
         optim.eval_params(st.opt_state, st.params))]), save, sig.stop,
         metrics.Profile(out / "profile", run.profile))
-    res, _ = run_cells(cfg, parts, cells, state, step0, meter, is_main)
+    res, state = run_cells(cfg, parts, cells, state, step0, meter, is_main)
   finally:
     if feed is not None:
       feed.close()
     log.close()
     ckpt.close()
   summary = {**summary_lib.summarize(cfg, parts, res, meter, start),
-             **evaluation.eval_identity(eval_set)}
+             **evaluation.eval_identity(eval_set), **provenance.run_entry(cfg, record, state)}
   if is_main:
     metrics.write_summary(out, summary)
     if run.plot:

@@ -22,6 +22,8 @@ def train_main(config_path: str, out_dir: str, overrides: list[str] | None = Non
   from scaleopt.train import bridge, checkpoint, faults, loop, preflight, runfolder
   try:
     cfg = load_config(resolve_config(config_path, "train"), overrides or [])
+    from scaleopt.train import determinism
+    determinism.prepare(cfg.run.deterministic)  # XLA_FLAGS before JAX starts its backend
     runfolder.check_local(out_dir)
     if dry_run:
       print(loop.dry_run(cfg, out_dir, resume=resume))

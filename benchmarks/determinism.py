@@ -1,0 +1,325 @@
+"""run.deterministic on a GPU: are two runs bitwise equal, and what does the switch cost?
+
+  PYTHONPATH=. python benchmarks/determinism.py --out DIR [--steps 16] [--optimizers adamw,loo]
+      [--nondet-runs 1] [--deadline UNIX_SECONDS] [--config configs/train/gpt2-small.yaml]
+      [--shape paper|config] [--data PATH] [--set KEY=VALUE ...] [--no-probe]
+
+Trains each optimizer (``adamw``: the paper's AdamW baseline; ``loo``: one-pass LOO with the
+Jensen term, the bc_paper_gpt2 study's ``loo`` arm) with ``scaleopt train`` in fresh
+processes, one process per pass over the optimizers: ``run.deterministic=true`` twice and
+``false`` ``--nondet-runs`` times, interleaved (det, nondet, det, ...), so that each
+deterministic pair crosses a process boundary (another compile, another autotuning). Every
+value of every ``metrics.jsonl`` row except the timing columns is compared bit for bit
+(IEEE-754 float64 bits of the JSON numbers, which hold the float32 values exactly), and the
+deterministic runs' ``state_sha256`` (a digest of the final parameters and optimizer state).
+ms/step: the trainer's own training time over the steps after the first quarter.
+
+``--shape paper``: the paper's step on gpt2-small (512 x 1024 tokens as 64 microbatches of 8,
+vocabulary 32,768, weight decay 0.1 on every parameter, clip 1.0, cosine with 20 warm-up steps
+over the study's 500), as configs/studies/bc_paper_gpt2.yaml; ``config``: the config as given
+(CPU tests use a tiny one). Data: the embedded corpus, or ``--data`` (a prepared shard folder).
+
+Before training, each process times nothing and checks a few single operations for run-to-run
+equality (``--no-probe`` skips it): cuDNN attention forward + backward, the embedding gradient
+(a scatter-add), a large matmul, each run five times on the same inputs; the result says which
+operations vary without the switch.
+
+Writes DIR/determinism.md (the table), DIR/determinism.json (everything), DIR/runs/*/ (each
+run's folder) and DIR/logs/*.log. Exit code 0 when every deterministic pair is bitwise equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import struct
+import subprocess
+import sys
+import time
+
+TIMING = {"tokens_per_s", "wall_s", "train_s", "timed_steps", "mfu"}
+PAPER_STEP = [
+    "data.seq_len=1024", "data.batch_size=512", "data.microbatches=64", "model.vocab_size=32768",
+    "model.wd_policy=all", "optimizer.weight_decay=0.1", "optimizer.clip_norm=1.0",
+    "optimizer.schedule.kind=cosine", "optimizer.schedule.warmup_steps=20",
+    "optimizer.schedule.min_lr_ratio=0.0", "optimizer.schedule.total_steps=500"]
+OPTIMIZERS = {  # "core": the optimizer; "paper": its learning rate and schedule in the study
+    "adamw": {"core": ["optimizer.name=adamw"], "paper": ["optimizer.learning_rate=6.0e-4"]},
+    "loo": {"core": ["optimizer.name=adamw_bc",
+                     "optimizer.extra={mode: full, crossfit: loo, sparse_lr_ratio: 0.6666667}"],
+            "paper": ["optimizer.learning_rate=9.0e-4", "optimizer.schedule.min_lr_ratio=0.2"]},
+}
+
+
+def run_overrides(args, opt: str, deterministic: bool) -> list[str]:
+  """The ``--set`` list of one run."""
+  out = list(OPTIMIZERS[opt]["core"])
+  if args.shape == "paper":
+    out += PAPER_STEP + OPTIMIZERS[opt]["paper"]
+  if args.data:
+    out += ["data.source=shards", f"data.path={args.data}"]
+  out += [f"run.steps={args.steps}", "run.log_every=1", "run.eval_tokens=0",
+          "run.checkpoint_every=0", "run.keep_checkpoints=1", "run.progress=false",
+          "run.tensorboard=false", "run.plot=false", "run.telemetry_every=0",
+          f"run.deterministic={'true' if deterministic else 'false'}", *args.set]
+  return out
+
+
+# ------------------------------------------------------------------------------------------
+# The worker: one process, one pass over the optimizers.
+
+
+def probe(reps: int = 5) -> dict:
+  """Single operations run ``reps`` times on the same inputs: how many distinct results."""
+  import hashlib
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  def digest(x):
+    return hashlib.sha256(b"".join(np.asarray(jax.device_get(l)).tobytes()
+                                   for l in jax.tree.leaves(x))).hexdigest()
+
+  k = jax.random.split(jax.random.PRNGKey(0), 6)
+  gpu = jax.default_backend() == "gpu"
+  B, T, H, D, V, d = (8, 1024, 12, 64, 32768, 768) if gpu else (1, 128, 2, 64, 512, 64)
+  M = 8192 if gpu else 256
+  q, kk, v, do = (jax.random.normal(k[i], (B, T, H, D), jnp.bfloat16) for i in range(4))
+  tokens = jax.random.randint(k[4], (B, T), 0, min(V, 2048))
+  emb = jax.random.normal(k[5], (V, d), jnp.float32)
+  g = jax.random.normal(k[0], (B, T, d), jnp.bfloat16)
+  a = jax.random.normal(k[1], (M, 4 * d), jnp.bfloat16)
+  b = jax.random.normal(k[2], (4 * d, d), jnp.bfloat16)
+  impl = "cudnn" if gpu else "xla"
+
+  def attn(q, kk, v, do):
+    o = jax.nn.dot_product_attention(q, kk, v, is_causal=True, implementation=impl)
+    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+  def embed(e, tokens, g):
+    return jnp.sum(jnp.take(e, tokens, axis=0).astype(jnp.bfloat16) * g).astype(jnp.float32)
+
+  # every input an argument: constants would be folded at compile time
+  cases = {
+      f"attention fwd+bwd ({impl})": (jax.jit(jax.grad(attn, argnums=(0, 1, 2))),
+                                       (q, kk, v, do)),
+      "embedding gradient (scatter-add)": (jax.jit(jax.grad(embed)), (emb, tokens, g)),
+      f"matmul bf16 {M}x{4 * d}x{d}": (jax.jit(lambda a, b: a @ b), (a, b)),
+  }
+  out = {}
+  for name, (f, xs) in cases.items():
+    try:
+      out[name] = len({digest(f(*xs)) for _ in range(reps)})
+    except Exception as e:  # noqa: BLE001 -- reported, the runs go on
+      out[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  return out
+
+
+def worker(args) -> int:
+  from scaleopt.train import checkpoint, determinism, mesh
+  mesh.set_launch_xla_flags()  # what `scaleopt train` sets, before the probe starts the backend
+  determinism.prepare(args.deterministic)
+  checkpoint.Checkpointer.save = lambda self, *a, **k: None  # no final checkpoint write
+  from scaleopt import cli
+  rec = {"deterministic": args.deterministic, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+  if not args.no_probe:
+    rec["probe"] = probe()
+    print("probe:", json.dumps(rec["probe"]), flush=True)
+  rec["runs"] = {}
+  for opt in args.optimizers.split(","):
+    if args.deadline and time.time() > args.deadline - 30:
+      print(f"deadline: {opt} not run", flush=True)
+      break
+    out = pathlib.Path(args.out) / "runs" / f"{opt}_{args.tag}"
+    argv = ["train", "--config", args.config, "--out", str(out)]
+    for o in run_overrides(args, opt, args.deterministic):
+      argv += ["--set", o]
+    t0 = time.time()
+    rc = cli.main(argv)
+    rec["runs"][opt] = {"rc": rc, "dir": str(out), "seconds": time.time() - t0}
+    print(f"{opt} {args.tag}: rc {rc} in {time.time() - t0:.0f} s", flush=True)
+  (pathlib.Path(args.out) / f"worker_{args.tag}.json").write_text(json.dumps(rec, indent=1))
+  return 0
+
+
+# ------------------------------------------------------------------------------------------
+# The parent: launch the workers, compare, tabulate.
+
+
+def bits(v) -> bytes:
+  if isinstance(v, float):
+    return struct.pack("<d", v)
+  return json.dumps(v).encode()
+
+
+def read_run(d: pathlib.Path) -> dict:
+  rows = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines() if l.strip()] \
+      if (d / "metrics.jsonl").is_file() else []
+  summ = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {}
+  return {"rows": rows, "summary": summ}
+
+
+def compare(a: dict, b: dict) -> dict:
+  """Every non-timing value of two runs' metrics rows, bit for bit, and their state digests."""
+  n = diff = 0
+  first = None
+  ra = {r["step"]: r for r in a["rows"]}
+  rb = {r["step"]: r for r in b["rows"]}
+  for step in sorted(set(ra) | set(rb)):
+    x, y = ra.get(step, {}), rb.get(step, {})
+    for key in sorted((set(x) | set(y)) - TIMING):
+      n += 1
+      if key not in x or key not in y or bits(x[key]) != bits(y[key]):
+        diff += 1
+        if first is None:
+          first = {"step": step, "key": key, "a": x.get(key), "b": y.get(key)}
+  sa, sb = a["summary"].get("state_sha256"), b["summary"].get("state_sha256")
+  return {"values": n, "differ": diff, "first": first, "steps": len(set(ra) | set(rb)),
+          "state_equal": None if sa is None or sb is None else sa == sb}
+
+
+def ms_per_step(rows: list[dict]) -> float | None:
+  """The trainer's training time per step over the rows after the first quarter."""
+  rows = [r for r in rows if r.get("timed_steps")]
+  if len(rows) < 2:
+    return None
+  a, b = rows[len(rows) // 4], rows[-1]
+  n = b["timed_steps"] - a["timed_steps"]
+  return 1e3 * (b["train_s"] - a["train_s"]) / n if n > 0 else None
+
+
+def launch(args, tag: str, deterministic: bool, log: pathlib.Path) -> int:
+  cmd = [sys.executable, __file__, "--worker", "--tag", tag, "--out", args.out,
+         "--steps", str(args.steps), "--optimizers", args.optimizers, "--config", args.config,
+         "--shape", args.shape, "--deadline", str(args.deadline or 0)]
+  cmd += ["--deterministic"] if deterministic else []
+  cmd += ["--no-probe"] if args.no_probe else []
+  cmd += ["--data", args.data] if args.data else []
+  for s in args.set:
+    cmd += ["--set", s]
+  timeout = max(30, args.deadline - time.time()) if args.deadline else None
+  with open(log, "w") as f:
+    try:
+      return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+      return 124
+
+
+def table(res: dict, device: str) -> str:
+  lines = [f"Device: {device}. {res['steps']} steps per run; ms/step over the steps after the "
+           "first quarter (the trainer's training time); `equal`: every non-timing value of "
+           "every metrics row, bit for bit, against the first run of the same setting (another "
+           "process); the state digest is recorded by deterministic runs.", "",
+           "| optimizer | deterministic | run | ms/step | vs deterministic=false | compile s | "
+           "values compared | bitwise equal to the setting's first run | state digest equal |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for opt, o in res["optimizers"].items():
+    base = [r["ms_per_step"] for r in o["runs"] if not r["deterministic"] and r["ms_per_step"]]
+    base_ms = sum(base) / len(base) if base else None
+    for r in o["runs"]:
+      c = r.get("vs_first") or {}
+      ms = r["ms_per_step"]
+      rel = f"{ms / base_ms - 1:+.1%}" if ms and base_ms and r["deterministic"] else "-"
+      eq = "-" if not c else ("yes" if c["differ"] == 0 else
+                              f"no: {c['differ']} differ, first step {c['first']['step']} "
+                              f"`{c['first']['key']}`")
+      st = "-" if c.get("state_equal") is None else ("yes" if c["state_equal"] else "no")
+      lines.append(f"| {opt} | {str(r['deterministic']).lower()} | {r['tag']} | "
+                   f"{ms:.1f} | {rel} | {r['compile_s'] or 0:.0f} | {c.get('values', '-')} | "
+                   f"{eq} | {st} |" if ms else
+                   f"| {opt} | {str(r['deterministic']).lower()} | {r['tag']} | - | - | - | - | "
+                   f"{eq} | {st} |")
+  probes = res.get("probes") or {}
+  if probes:
+    lines += ["", "Single operations, five calls on the same inputs in each process: distinct "
+              "results (1 = run-to-run equal).", "",
+              "| operation | " + " | ".join(probes) + " |", "|---" * (len(probes) + 1) + "|"]
+    names = sorted({k for p in probes.values() for k in p})
+    for n in names:
+      lines.append(f"| {n} | " + " | ".join(str(p.get(n, "-")) for p in probes.values()) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", required=True)
+  p.add_argument("--steps", type=int, default=16)
+  p.add_argument("--optimizers", default="adamw,loo")
+  p.add_argument("--nondet-runs", type=int, default=1)
+  p.add_argument("--deadline", type=float, default=0.0, help="unix time to stop starting runs")
+  p.add_argument("--config", default="configs/train/gpt2-small.yaml")
+  p.add_argument("--shape", choices=("paper", "config"), default="paper")
+  p.add_argument("--data", default=None)
+  p.add_argument("--set", action="append", default=[])
+  p.add_argument("--no-probe", action="store_true")
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--tag", default="", help=argparse.SUPPRESS)
+  p.add_argument("--deterministic", action="store_true", help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.worker:
+    return worker(args)
+  out = pathlib.Path(args.out)
+  (out / "logs").mkdir(parents=True, exist_ok=True)
+  plan = [("det1", True)]
+  for i in range(max(args.nondet_runs, 0)):
+    plan.append((f"nondet{i + 1}", False))
+    if i == 0:
+      plan.append(("det2", True))
+  if args.nondet_runs <= 0:
+    plan.append(("det2", True))
+  rcs, longest = {}, 45.0
+  for i, (tag, d) in enumerate(plan):
+    # det1, nondet1 and det2 (the check and the cost) start while a minute is left; a further
+    # run only where the longest process so far fits
+    need = 60.0 if i < 3 else longest
+    if args.deadline and time.time() + need > args.deadline:
+      print(f"deadline: {tag} not started (a process took up to {longest:.0f} s)", flush=True)
+      continue
+    t0 = time.time()
+    rcs[tag] = launch(args, tag, d, out / "logs" / f"{tag}.log")
+    longest = max(longest, time.time() - t0)
+    print(f"{tag}: exit {rcs[tag]} in {time.time() - t0:.0f} s", flush=True)
+  res = {"steps": args.steps, "plan": plan, "exit": rcs, "optimizers": {}, "probes": {}}
+  device = "?"
+  for tag, _ in plan:
+    w = out / f"worker_{tag}.json"
+    if w.is_file():
+      rec = json.loads(w.read_text())
+      if "probe" in rec:
+        res["probes"][tag] = rec["probe"]
+      res.setdefault("xla_flags", {})[tag] = rec["xla_flags"]
+  ok = True
+  for opt in args.optimizers.split(","):
+    runs, first = [], {}
+    for tag, d in plan:
+      run = read_run(out / "runs" / f"{opt}_{tag}")
+      if not run["rows"]:
+        continue
+      prov = run["summary"].get("provenance") or {}
+      device = prov.get("device_kind", device)
+      r = {"tag": tag, "deterministic": d, "ms_per_step": ms_per_step(run["rows"]),
+           "compile_s": run["summary"].get("compile_s"),
+           "final_train_loss": run["summary"].get("final_train_loss"),
+           "state_sha256": run["summary"].get("state_sha256"), "provenance": prov}
+      if d in first:  # against the first run of the same setting
+        r["vs_first"] = compare(first[d], run)
+      else:
+        first[d] = run
+      runs.append(r)
+    dets = [r for r in runs if r["deterministic"]]
+    ok &= len(dets) >= 2 and all(r.get("vs_first", {}).get("differ", 1) == 0 and
+                                 r["vs_first"].get("state_equal") for r in dets[1:])
+    res["optimizers"][opt] = {"runs": runs}
+  res["all_deterministic_pairs_equal"] = ok
+  (out / "determinism.json").write_text(json.dumps(res, indent=1, default=str))
+  md = table(res, device)
+  (out / "determinism.md").write_text(md)
+  print(md)
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

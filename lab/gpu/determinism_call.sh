@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call on one GPU (H100 or H200), from the repo root of the device's copy:
+#   [STEPS=16] [NONDET_RUNS=2] [SECONDS_MAX=440] [DATA=runs/corpus] OUT=$OUT \
+#     bash lab/gpu/determinism_call.sh
+# run.deterministic at the paper's step (gpt2-small, 512 x 1024 tokens as 64 microbatches of 8,
+# configs/studies/bc_paper_gpt2.yaml's settings) for AdamW and one-pass LOO (the study's `loo`
+# arm): benchmarks/determinism.py trains both optimizers STEPS steps in each of the processes
+# det1, nondet1, det2, nondet2 (one process each, in that order; the first three start while a
+# minute of SECONDS_MAX is left, nondet2 only if the longest process so far fits), compares every logged value of det1 and det2 bit for bit (and the
+# final state's digest), and times each run (ms/step after the first quarter of the steps).
+# Each process first calls a few single operations five times (cuDNN attention forward +
+# backward, the embedding gradient's scatter-add, a matmul) and counts distinct results.
+# Data: the embedded corpus, or DATA (default runs/corpus when a bc_paper call left it there).
+# $OUT gets determinism.md (the table), determinism.json (everything), logs.txt (the tail of
+# each process's log) and gpus.txt. Exit 0 when every deterministic pair is bitwise equal.
+# SCALEOPT_COMMIT=<sha> (and SCALEOPT_DIRTY=0/1) put the commit into the runs' provenance where
+# the device's copy of the tree has no .git.
+# BENCH_ARGS: more arguments of benchmarks/determinism.py (a CPU check of this script:
+# BENCH_ARGS="--config configs/train/tiny.yaml --shape config --no-probe" STEPS=4).
+set -uo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/determinism_out}
+work=runs/determinism
+start=$(date +%s)
+limit=${SECONDS_MAX:-440}
+mkdir -p "$out" runs
+rm -rf "$work"
+data=${DATA:-}
+[ -n "$data" ] || [ ! -f runs/corpus/manifest.json ] || data=runs/corpus
+{ nvidia-smi -L; echo "XLA_FLAGS=${XLA_FLAGS:-}"; echo "DATA=${data:-embedded}";
+  python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)"; } \
+  > "$out/gpus.txt" 2>&1
+python benchmarks/determinism.py --out "$work" --steps "${STEPS:-16}" \
+  --nondet-runs "${NONDET_RUNS:-2}" --deadline $(( start + limit )) \
+  ${data:+--data "$data"} ${BENCH_ARGS:-} > "$work.log" 2>&1
+rc=$?
+cp "$work/determinism.md" "$work/determinism.json" "$out/" 2>/dev/null
+{ cat "$work.log"; for f in "$work"/logs/*.log; do echo "== $f"; grep -v "^\s*$" "$f" | tail -n 40; done; } \
+  > "$out/logs.txt" 2>&1
+cat "$work/determinism.md" 2>/dev/null || tail -n 40 "$work.log"
+echo "call: $(( $(date +%s) - start )) s, exit $rc"
+exit $rc
