@@ -42,7 +42,7 @@ HF_EXTRAS = ("config.json", "generation_config.json", "tokenizer.json", "tokeniz
              "special_tokens_map.json", "vocab.json", "merges.txt")
 # ModelConfig fields that change numerics or speed but not the function or the parameters.
 _FREE = ("dtype", "remat", "scan_unroll", "attention_impl", "max_seq_len", "logits_dot_in_fp32",
-         "fused_loss", "loss_chunks", "loss_kernel", "norm_kernel", "init_std",
+         "fused_loss", "loss_chunks", "loss_kernel", "norm_kernel", "glu_kernel", "init_std",
          "moe_capacity_factor", "moe_lb_weight", "moe_z_weight")
 
 

@@ -76,6 +76,9 @@ def setup(cfg: TrainConfig) -> Setup:
   if vocab > model.cfg.vocab_size:
     raise ConfigError(f"the data's vocabulary ({vocab} tokens) is larger than "
                       f"model.vocab_size={model.cfg.vocab_size}; set model.vocab_size >= {vocab}")
+  problem = models.kernel_problem(model.cfg)
+  if problem is not None:
+    raise ConfigError(problem)
   mesh = mesh_lib.make_mesh(cfg.mesh)
   mesh_lib.check_batch(mesh, d.batch_size, d.microbatches)
   model = model.with_mesh(mesh)
@@ -543,6 +546,7 @@ def summarize(cfg: TrainConfig, s: Setup, res: Outcome, meter: metrics.Meter, st
       "layout": s.spec.layout, "sweeps_per_step": bridge.passes_per_step(s.spec),
       "optimizer_numerics": optim.resolved_numerics(cfg.optimizer),
       "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
+      "kernels": models.kernel_choices(s.model.cfg, s.mesh),
       "resumed_from": start,
       "stopped_early": bool(res.diverged[cell]) or res.interrupted is not None,
       "interrupted_by": res.interrupted, "phase_shifts": res.phase_shifts,
