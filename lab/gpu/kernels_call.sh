@@ -3,16 +3,18 @@
 # equality tests of its kernels, the per-op times, then whole training steps with today's
 # kernels (the baseline, first and again last) and with the fastest tokamax setting per op that
 # passed its tests, each group in one process. From the repo root, `.whl` carried:
-#   [TESTS=1] [OPS=1] [GPT2=1] [QWEN="adamw loo small"] [SECONDS_MAX=540] \
+#   [TESTS=1] [OPS=1] [GPT2=1] [PROFILE=1] [QWEN="adamw loo small"] [SECONDS_MAX=540] \
 #     OUT=$OUT bash lab/gpu/kernels_call.sh
 # TESTS=0 skips the equality tests (then every setting counts as passed; use on a second card
 # after they passed on the first); OPS=0 skips the per-op times (then nothing is chosen);
-# GPT2=0 skips gpt2-small's steps; QWEN lists qwen2.5-0.5b's steps: "adamw" and "loo" at the
-# paper's step (512 x 1024 tokens as 64 microbatches of 8; AdamW, one-pass leave-one-out
-# AdamW-BC), "small" 16 x 1024 in one microbatch, each today's kernels then the chosen ones.
+# GPT2=0 skips gpt2-small's steps; PROFILE=0 the kernel table of gpt2-small's step with the
+# chosen settings (benchmarks/profile_step.py); QWEN lists qwen2.5-0.5b's steps: "adamw" and
+# "loo" at the paper's step (512 x 1024 tokens as 64 microbatches of 8; AdamW, one-pass
+# leave-one-out AdamW-BC), "small" 16 x 1024 in one microbatch, each today's kernels then the
+# chosen ones.
 # Each part is skipped once fewer seconds are left than it needs; rows are written as they
 # finish. $OUT gets env.txt, pip.log, tests.{log,xml}, ops.{log,jsonl}, gpt2.{log,jsonl},
-# qwen_<part>.{log,jsonl}, chosen.txt and call.txt (seconds per part).
+# profile.log, qwen_<part>.{log,jsonl}, chosen.txt and call.txt (seconds per part).
 set -uo pipefail
 out=${OUT:-/tmp/kernels_call}
 mkdir -p "$out"
@@ -69,6 +71,13 @@ if [ "${GPT2:-1}" = 1 ]; then
   if [ -n "$g" ]; then c="data1,data1$g$singles,data1"; else c="data1"; fi
   steps gpt2 90 --seq 1024 --batch 64 --micro 1 --unroll 0 --steps 21 --timeout 150 \
     --configs "$c"
+fi
+if [ "${PROFILE:-1}" = 1 ] && [ "$(left)" -gt 90 ]; then  # gpt2-small's step with the choice
+  sets=$(echo "$g" | sed 's/+m\([a-z_]*\)=\([a-z_]*\)/ --set model.\1=\2/g')
+  XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_latency_hiding_scheduler=true" \
+    timeout 80 python3 benchmarks/profile_step.py --batch 64 --micro 1 --steps 2 --warmup 2 \
+    --top 30 $sets > "$out/profile.log" 2>&1
+  mark profile
 fi
 qp=data1+pqwen2.5-0.5b
 loo=+optadamw_bc+ecrossfit=loo+emode=full
