@@ -9,11 +9,11 @@ reference array:
 
 * bfloat16 inputs, each op against today's path on the same inputs: 1e-2 forward, 2e-2 for
   the gradients (both round their outputs to bfloat16, 2^-8 relative, in their own places);
-  and no more than 1.5 x today's own error (+ 1e-3) against the same op in float32 from those
+  and no more than twice today's own error (+ 2e-3) against the same op in float32 from those
   inputs.
 * float32 inputs (where tokamax's kernel takes them): 2e-3 (the kernels' matmuls may use TF32).
 * the model (bf16) with each setting: the loss and every parameter's gradient no further from
-  the float32 model than 1.5 x today's bf16 model (+ 1e-3).
+  the float32 model than twice today's bf16 model (+ 2e-3).
 
 A kernel that tokamax declines for the input (NotImplementedError) is skipped with its reason.
 """
@@ -57,10 +57,10 @@ def _compare(got, want, ref, fwd_tol, grad_tol):
   today's path in float32 on those inputs."""
   (o, g), (ow, gw), (orf, grf) = got, want, ref
   assert _rel(o, ow) < fwd_tol, _rel(o, ow)
-  assert _rel(o, orf) <= 1.5 * _rel(ow, orf) + 1e-3, (_rel(o, orf), _rel(ow, orf))
+  assert _rel(o, orf) <= 2 * _rel(ow, orf) + 2e-3, (_rel(o, orf), _rel(ow, orf))
   for a, b, r in zip(g, gw, grf):
     assert _rel(a, b) < grad_tol, _rel(a, b)
-    assert _rel(a, r) <= 1.5 * _rel(b, r) + 1e-3, (_rel(a, r), _rel(b, r))
+    assert _rel(a, r) <= 2 * _rel(b, r) + 2e-3, (_rel(a, r), _rel(b, r))
 
 
 def _f32(args):
@@ -163,9 +163,9 @@ def test_model_with_kernels_matches_today(settings):
 
   (lg, gg), (lt, gt) = grads(SMALL.replace(**settings)), grads(SMALL)
   lr, gr = grads(SMALL.replace(dtype="float32", attention_impl="xla", norm_kernel="xla"))
-  assert abs(float(lg - lr)) <= 1.5 * abs(float(lt - lr)) + 1e-3 * float(lr)
+  assert abs(float(lg - lr)) <= 2 * abs(float(lt - lr)) + 2e-3 * float(lr)
   for a, b, r in zip(jax.tree.leaves(gg), jax.tree.leaves(gt), jax.tree.leaves(gr)):
-    assert _rel(a, r) <= 1.5 * _rel(b, r) + 1e-3, (_rel(a, r), _rel(b, r))
+    assert _rel(a, r) <= 2 * _rel(b, r) + 2e-3, (_rel(a, r), _rel(b, r))
   assert models.kernel_choices(SMALL.replace(**settings))[
       {"attention_impl": "attention", "glu_kernel": "glu", "norm_kernel": "norm"}[
           next(iter(settings))]] == next(iter(settings.values()))
