@@ -176,9 +176,9 @@ KEYS = {"attention": "attention_impl", "glu": "glu_kernel", "norm": "norm_kernel
 
 
 def failed_settings(junit: str | None) -> set[tuple[str, str]]:
-  """(op, setting) pairs with a failed (or, in bfloat16, skipped) GPU equality test in a pytest JUnit XML
-  file (tests/models/test_kernels_gpu.py: test_<op>_kernel_*[..setting..], and the model's
-  tests with ``op=implementation`` in their ids); none without ``junit`` (tests not run),
+  """(op, setting) pairs with a failed (or, in bfloat16, skipped) GPU equality test in a
+  pytest JUnit XML file (tests/models/test_kernels_gpu.py: test_<op>_kernel_*[..setting..],
+  and the model's tests with ``op=implementation`` in their ids); none without ``junit`` (tests not run),
   every tokamax setting when that file cannot be read."""
   import xml.etree.ElementTree as ET  # pylint: disable=import-outside-toplevel
   if not junit:
@@ -217,6 +217,65 @@ def choose(rows: list[dict], shape: str, bad: set[tuple[str, str]]) -> dict[str,
   return out
 
 
+def _jsonl(path) -> list[dict]:
+  try:
+    return [json.loads(l) for l in open(path) if l.strip()]
+  except OSError:
+    return []
+
+
+def tests_line(junit) -> str:
+  """``N passed, N failed, N skipped`` of a pytest JUnit XML file."""
+  import xml.etree.ElementTree as ET  # pylint: disable=import-outside-toplevel
+  try:
+    cases = list(ET.parse(junit).getroot().iter("testcase"))
+  except (OSError, ET.ParseError):
+    return "not run"
+  bad = sum(c.find("failure") is not None or c.find("error") is not None for c in cases)
+  skipped = sum(c.find("skipped") is not None for c in cases)
+  return f"{len(cases) - bad - skipped} passed, {bad} failed, {skipped} skipped"
+
+
+def steps_table(rows: list[dict]) -> str:
+  """Markdown: the whole-step rows of benchmarks/mesh_throughput.py JSONL files, each against
+  the first row of its file with today's kernels and the same optimizer (the same process)."""
+  out = ["| part | optimizer | tokens/step (microbatches) | kernels | ms/step | tokens/s | MFU | "
+         "vs today's |", "|---|---|---|---|---|---|---|---|"]
+  base = {}
+  for r in rows:
+    extra = r.get("extra", {})
+    opt = r.get("optimizer", "adamw") + "".join(f" {k}={v}" for k, v in extra.items())
+    kern = ", ".join(f"{k}={v}" for k, v in r.get("model", {}).items()) or "today's"
+    key = (r["part"], opt)
+    tokens = f"{r['batch'] * r['seq']:,} ({r['micro']})"
+    if "error" in r:
+      out.append(f"| {r['part']} | {opt} | {tokens} | {kern} | {r['error'][:80]} | - | - | - |")
+      continue
+    if kern == "today's":
+      base.setdefault(key, r["tokens_per_s"])
+    vs = f"{r['tokens_per_s'] / base[key]:.3f}x" if key in base else "-"
+    ms = 1e3 * r["batch"] * r["seq"] / r["tokens_per_s"]
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
+    out.append(f"| {r['part']} | {opt} | {tokens} | {kern} | {ms:.1f} | "
+               f"{r['tokens_per_s']:,.0f} | {mfu} | {vs} |")
+  return "\n".join(out)
+
+
+def report(folder: str) -> str:
+  """The call's tables (lab/gpu/kernels_call.sh's $OUT): card and versions, the equality
+  tests, per-op times, whole steps."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+  d = pathlib.Path(folder)
+  ops = _jsonl(d / "ops.jsonl")
+  steps = [dict(r, part=f.stem) for f in sorted(d.glob("*.jsonl")) if f.name != "ops.jsonl"
+           for r in _jsonl(f)]
+  first = (ops or steps or [{}])[0]
+  head = (f"card: {first.get('device', first.get('device_kind', '?'))}; jax "
+          f"{first.get('jax', '?')}; tokamax {first.get('tokamax', '?')}; GPU equality tests: "
+          f"{tests_line(d / 'tests.xml')}")
+  return "\n\n".join([head, table(ops), steps_table(steps)])
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--choose", metavar="OPS_JSONL", help="print the mesh_throughput.py model "
@@ -225,11 +284,16 @@ def main(argv=None) -> int:
   ap.add_argument("--junit", help="with --choose: the GPU equality tests' JUnit XML")
   ap.add_argument("--single", action="store_true", help="with --choose: one configuration "
                   "option string per chosen op, comma-separated, instead of their combination")
+  ap.add_argument("--report", metavar="DIR", help="print the tables of a kernels_call.sh "
+                  "output folder and exit")
   ap.add_argument("--shapes", default="gpt2-small,qwen2.5-0.5b")
   ap.add_argument("--reps", type=int, default=20)
   ap.add_argument("--jsonl", help="append each row here as it finishes")
   ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
   args = ap.parse_args(argv)
+  if args.report:
+    print(report(args.report))
+    return 0
   shapes = args.shapes.split(",")
   for s in shapes:
     if s not in SHAPES:

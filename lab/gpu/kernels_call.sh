@@ -14,7 +14,8 @@
 # chosen ones.
 # Each part is skipped once fewer seconds are left than it needs; rows are written as they
 # finish. $OUT gets env.txt, pip.log, tests.{log,xml}, ops.{log,jsonl}, gpt2.{log,jsonl},
-# profile.log, qwen_<part>.{log,jsonl}, chosen.txt and call.txt (seconds per part).
+# profile.log, qwen_<part>.{log,jsonl}, chosen.txt, call.txt (seconds per part) and
+# report.md (the tables: benchmarks/kernels.py --report).
 set -uo pipefail
 out=${OUT:-/tmp/kernels_call}
 mkdir -p "$out"
@@ -92,4 +93,5 @@ for part in ${QWEN-adamw loo small}; do
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 steps "qwen_$part" 120 --seq 1024 --unroll 0 $args \
     --configs "$c"
 done
+python3 benchmarks/kernels.py --report "$out" > "$out/report.md" 2>&1; cat "$out/report.md"
 echo "call: $(( $(date +%s) - start )) s" | tee -a "$out/call.txt"
