@@ -176,8 +176,8 @@ KEYS = {"attention": "attention_impl", "glu": "glu_kernel", "norm": "norm_kernel
 
 
 def failed_settings(junit: str | None) -> set[tuple[str, str]]:
-  """(op, setting) pairs with a failed (or, in bfloat16, skipped) GPU equality test in a
-  pytest JUnit XML file (tests/models/test_kernels_gpu.py: test_<op>_kernel_*[..setting..],
+  """(op, setting) pairs with a failed (or, in bfloat16, skipped) GPU equality test, or with
+  no passed bfloat16 test against today's path, in a pytest JUnit XML file (tests/models/test_kernels_gpu.py: test_<op>_kernel_*[..setting..],
   and the model's tests with ``op=implementation`` in their ids); none without ``junit``
   (tests not run), every tokamax setting when that file cannot be read."""
   import xml.etree.ElementTree as ET  # pylint: disable=import-outside-toplevel
@@ -188,7 +188,7 @@ def failed_settings(junit: str | None) -> set[tuple[str, str]]:
     cases = ET.parse(junit).getroot().iter("testcase")
   except (OSError, ET.ParseError):
     return settings
-  bad = set()
+  bad, passed = set(), set()
   for case in cases:
     name = case.get("name", "")
     kinds = ("failure", "error") + (() if "float32" in name else ("skipped",))
@@ -197,7 +197,10 @@ def failed_settings(junit: str | None) -> set[tuple[str, str]]:
               if (name.startswith(f"test_{op}_kernel") and s in name)
               or (name.startswith("test_model_with_kernels")
                   and f"{op}={tokamax_ops.implementation(s)}" in name)}
-  return bad
+    else:
+      passed |= {(op, s) for op, s in settings
+                 if name.startswith(f"test_{op}_kernel_matches_today") and s in name}
+  return bad | (settings - passed)  # a setting whose tests did not run counts as failed
 
 
 def choose(rows: list[dict], shape: str, bad: set[tuple[str, str]]) -> dict[str, str]:

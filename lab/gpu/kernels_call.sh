@@ -34,7 +34,8 @@ cat "$out/env.txt"
 mark setup
 
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout 200 python3 -m pytest -q -p no:xdist -rs tests/models/test_kernels_gpu.py \
+  # SIGINT: pytest stops and still writes the results of the tests that ran
+  timeout -s INT -k 15 200 python3 -m pytest -q -p no:xdist -rs tests/models/test_kernels_gpu.py \
     --junitxml "$out/tests.xml" > "$out/tests.log" 2>&1
   tail -25 "$out/tests.log"
   junit="--junit $out/tests.xml"
