@@ -177,9 +177,10 @@ KEYS = {"attention": "attention_impl", "glu": "glu_kernel", "norm": "norm_kernel
 
 def failed_settings(junit: str | None) -> set[tuple[str, str]]:
   """(op, setting) pairs with a failed (or, in bfloat16, skipped) GPU equality test, or with
-  no passed bfloat16 test against today's path, in a pytest JUnit XML file (tests/models/test_kernels_gpu.py: test_<op>_kernel_*[..setting..],
-  and the model's tests with ``op=implementation`` in their ids); none without ``junit``
-  (tests not run), every tokamax setting when that file cannot be read."""
+  no passed bfloat16 test against today's path, in a pytest JUnit XML file
+  (tests/models/test_kernels_gpu.py: test_<op>_kernel_*[..setting..], and the model's tests
+  with ``op=implementation`` in their ids); none without ``junit`` (tests not run), every
+  tokamax setting when that file cannot be read."""
   import xml.etree.ElementTree as ET  # pylint: disable=import-outside-toplevel
   if not junit:
     return set()

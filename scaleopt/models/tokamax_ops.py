@@ -136,6 +136,7 @@ def rms_norm(s: jax.Array, eps: float, setting: str) -> jax.Array:
   """``s / sqrt(mean(s^2, -1) + eps)`` (float32 arithmetic, s's dtype) by tokamax's
   ``layer_norm(..., subtract_mean=False)`` without scale or offset, per device on its rows
   under a mesh."""
-  norm = functools.partial(_require("norm_kernel", setting).layer_norm, scale=None, offset=None, epsilon=eps,
-                           subtract_mean=False, implementation=implementation(setting))
-  return sharding.on_rows(lambda rows: norm(rows), s)
+  norm = functools.partial(_require("norm_kernel", setting).layer_norm, scale=None,
+                           offset=None, epsilon=eps, subtract_mean=False,
+                           implementation=implementation(setting))
+  return sharding.on_rows(norm, s)
