@@ -12,6 +12,7 @@ Public API (see docs/models.md):
   partition_rules(cfg), logical_specs(cfg, params)    logical sharding axes per parameter
   count_params(cfg), flops_per_token(cfg, seq_len), mfu(...)
   fold_scales(cfg, params) -> (cfg_inference, params_folded)
+  kernel_choices(cfg, mesh), kernel_problem(cfg)     the kernels each op runs; why one can't
   sharding.constraints(mesh)                          FSDP / tensor-parallel layouts in the model
 """
 
@@ -25,7 +26,7 @@ from scaleopt.models.masks import (POLICIES, ROLES, fsdp_dims, is_embedding, log
 from scaleopt.models.presets import PRESETS, get_preset
 from scaleopt.models.loss import head_loss, head_nll
 from scaleopt.models.transformer import (Transformer, functional, functional_loss, functional_nll,
-                                         lm_loss)
+                                         kernel_choices, kernel_problem, lm_loss)
 
 __all__ = [
     "ModelConfig", "VARIANTS", "PRESETS", "get_preset", "Transformer", "functional", "lm_loss",
@@ -33,4 +34,5 @@ __all__ = [
     "param_roles", "role_of", "is_embedding", "weight_decay_mask", "POLICIES", "ROLES",
     "partition_rules", "logical_specs", "fsdp_dims", "count_params", "flops_per_token",
     "matmul_params_per_token", "mfu", "PEAK_FLOPS", "fold_scales", "sharding",
+    "kernel_choices", "kernel_problem",
 ]

@@ -29,9 +29,11 @@ DUALS = ("none", "dp", "dnp")
 REPARAMS = ("none", "or_product", "or_normalized")
 DUAL_TARGETS = ("q", "k", "v", "gate", "up")
 REMATS = ("none", "full", "dots")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+TOKAMAX_ATTENTION = ("tokamax_mosaic", "tokamax_triton", "tokamax_xla")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn") + TOKAMAX_ATTENTION
 LOSS_KERNELS = ("auto", "pallas", "xla")
-NORM_KERNELS = ("auto", "pallas", "xla")
+NORM_KERNELS = ("auto", "pallas", "xla", "tokamax_triton", "tokamax_xla")
+GLU_KERNELS = ("auto", "xla", "tokamax_mosaic", "tokamax_triton", "tokamax_xla")
 DTYPES = ("bfloat16", "float32", "float16")
 FINAL_SCALE_ROLES = ("input", "output")
 
@@ -108,7 +110,9 @@ class ModelConfig:
   # 0 all units (no loop; fastest on GPU, the GPU-size presets use it). A partial unroll is
   # slower and holds more memory than either (docs/models.md, Performance).
   scan_unroll: int = 1
-  attention_impl: str = "auto"  # auto: cudnn on GPU with 16-bit dtype, else xla
+  # auto: cudnn on GPU with 16-bit dtype, else xla; tokamax_mosaic | tokamax_triton |
+  # tokamax_xla: tokamax's flash attention (models/tokamax_ops.py; the optional tokamax package).
+  attention_impl: str = "auto"
   max_seq_len: int = 1024  # used for FLOP accounting defaults only
   # LM-head matmul output dtype before the cast to float32 logits. False (MaxText's default):
   # bf16 dot, then float32 (the faster: docs/models.md); True: float32 dot output.
@@ -123,7 +127,12 @@ class ModelConfig:
   loss_kernel: str = "auto"
   # Each residual add with the norm that follows it (models/layers.py add_rms_norm): auto is
   # one Pallas kernel per direction (models/kernels.py) on GPU with a 16-bit dtype, else XLA.
+  # tokamax_triton | tokamax_xla: the add by XLA, the norm by tokamax (models/tokamax_ops.py).
   norm_kernel: str = "auto"
+  # The dense SwiGLU MLP's silu(n W_gate) * (n W_up): auto and xla are XLA's matmuls;
+  # tokamax_mosaic | tokamax_triton | tokamax_xla one tokamax gated-linear-unit op (dense
+  # blocks; MoE experts stay XLA), not with DNP on gate or up.
+  glu_kernel: str = "auto"
 
   # --- derived -------------------------------------------------------------------------
   @property
@@ -180,6 +189,12 @@ class ModelConfig:
     _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
     _check_choice("loss_kernel", self.loss_kernel, LOSS_KERNELS)
     _check_choice("norm_kernel", self.norm_kernel, NORM_KERNELS)
+    _check_choice("glu_kernel", self.glu_kernel, GLU_KERNELS)
+    if (self.glu_kernel.startswith("tokamax") and self.dual == "dnp"
+        and {"gate", "up"} & set(self.dual_targets)):
+      raise ValueError(f"ModelConfig.glu_kernel={self.glu_kernel!r} fuses silu(n W_gate) * "
+                       "(n W_up); dual='dnp' normalizes gate and up in between (set "
+                       "glu_kernel=auto or leave gate and up out of dual_targets)")
     if self.loss_kernel == "pallas" and self.loss_chunks != 1:
       raise ValueError(f"ModelConfig.loss_kernel='pallas' needs loss_chunks=1, got "
                        f"{self.loss_chunks}")

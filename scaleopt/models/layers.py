@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from scaleopt.models import kernels, sharding
+from scaleopt.models import kernels, sharding, tokamax_ops
 from scaleopt.models.config import ModelConfig
 
 f32 = jnp.float32
@@ -48,12 +48,16 @@ def rms_norm(x: jax.Array, eps: float, scale: jax.Array | None = None) -> jax.Ar
 
 
 def add_rms_norm(x: jax.Array, h: jax.Array, eps: float,
-                 kernel: bool = False) -> tuple[jax.Array, jax.Array]:
+                 kernel: bool | str = False) -> tuple[jax.Array, jax.Array]:
   """``(s, rms_norm(s))`` with ``s = x + h`` in x's dtype: the residual add and the norm of the
-  next branch's input. ``kernel``: one Pallas pass over the rows forward and one backward
-  (:func:`scaleopt.models.kernels.add_rms_norm_fwd`; the interpreter off GPU), per device on
-  its rows under a mesh; otherwise XLA's ops."""
+  next branch's input. ``kernel``: True: one Pallas pass over the rows forward and one
+  backward (:func:`scaleopt.models.kernels.add_rms_norm_fwd`; the interpreter off GPU), per
+  device on its rows under a mesh; a tokamax setting (``tokamax_triton``): the add by XLA, the
+  norm by tokamax (:func:`scaleopt.models.tokamax_ops.rms_norm`); False: XLA's ops."""
   h = h.astype(x.dtype)
+  if isinstance(kernel, str):
+    s = x + h
+    return s, tokamax_ops.rms_norm(s, eps, kernel)
   if not kernel:
     s = x + h
     return s, rms_norm(s, eps)
@@ -209,7 +213,8 @@ def _fused_projections(x: jax.Array, kernels: list[jax.Array], biases: list[jax.
 
 
 def attention_impl(cfg: ModelConfig, dtype: jnp.dtype) -> str:
-  """``cudnn`` on GPU for 16-bit dtypes and supported head sizes, else ``xla``."""
+  """``cudnn`` on GPU for 16-bit dtypes and supported head sizes, else ``xla``; a setting
+  other than ``auto`` as it is."""
   if cfg.attention_impl != "auto":
     return cfg.attention_impl
   ok = (jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
@@ -219,10 +224,13 @@ def attention_impl(cfg: ModelConfig, dtype: jnp.dtype) -> str:
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str,
                      strict: bool = False) -> jax.Array:
-  """``jax.nn.dot_product_attention`` (B, T, heads, d_head), GQA by head grouping.
+  """``jax.nn.dot_product_attention`` (B, T, heads, d_head), GQA by head grouping; a tokamax
+  setting (``tokamax_mosaic``) by :func:`scaleopt.models.tokamax_ops.attention`.
 
   With ``impl='cudnn'`` a failure at trace time falls back to XLA unless ``strict``.
   """
+  if impl.startswith(tokamax_ops.PREFIX):
+    return tokamax_ops.attention(q, k, v, impl)
   if impl == "cudnn":
     try:
       return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -360,6 +368,21 @@ class GatedMLP(nnx.Module):
       kernels.append(effective_kernel(lin.kernel[...], col, get_scale(self, f"row_scale_{b}")))
     spec_in, spec_out = (("becd,edf->becf", "becf,efd->becd") if self.stacked
                          else ("btd,df->btf", "btf,fd->btd"))
+    lead = (None,) * (x.ndim - 2)
+    glu = cfg.glu_kernel.startswith(tokamax_ops.PREFIX) and not self.stacked
+    if glu:
+      w_gate, w_up = (sharding.use_kernel(w.astype(dt), ("fsdp", "tensor")) for w in kernels)
+      a = tokamax_ops.gated_linear_unit(x, w_gate, w_up, cfg.glu_kernel)
+    else:
+      a = self._activation(x, kernels, spec_in)
+    a = sharding.constrain(a, ("batch", *lead, "tensor"))
+    w_down = self.wdown.kernel[...].astype(dt)
+    w_down = sharding.use_kernel(w_down, (None,) * (w_down.ndim - 2) + ("tensor", "fsdp"))
+    return sharding.constrain(jnp.einsum(spec_out, a, w_down), ("batch", *lead, None))
+
+  def _activation(self, x: jax.Array, kernels: list[jax.Array], spec_in: str) -> jax.Array:
+    """``SiLU(g) * u`` of the gate and up projections (with DNP's norms) by XLA."""
+    cfg = self.cfg
     g, u = _fused_projections(x, kernels, None, spec_in)
     if cfg.dual == "dnp":
       ug, uu = _dnp_scale(self, "gate"), _dnp_scale(self, "up")
@@ -368,8 +391,4 @@ class GatedMLP(nnx.Module):
         uu = None if uu is None else uu[:, None, :]
       g = g if ug is None else rms_norm(g, cfg.norm_eps, ug)
       u = u if uu is None else rms_norm(u, cfg.norm_eps, uu)
-    lead = (None,) * (x.ndim - 2)
-    a = sharding.constrain(jax.nn.silu(g) * u, ("batch", *lead, "tensor"))
-    w_down = self.wdown.kernel[...].astype(dt)
-    w_down = sharding.use_kernel(w_down, (None,) * (w_down.ndim - 2) + ("tensor", "fsdp"))
-    return sharding.constrain(jnp.einsum(spec_out, a, w_down), ("batch", *lead, None))
+    return jax.nn.silu(g) * u

@@ -25,11 +25,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from scaleopt.models import kernels, sharding
+from scaleopt.models import kernels, sharding, tokamax_ops
 from scaleopt.models.config import ModelConfig
 from scaleopt.models.loss import head_loss, head_nll, use_kernel
 from scaleopt.models.layers import (Attention, GatedMLP, Linear, Scale, add_rms_norm,
-                                    effective_kernel, get_scale, rms_norm, rope_tables)
+                                    attention_impl, effective_kernel, get_scale, rms_norm,
+                                    rope_tables)
 from scaleopt.models.moe import MoE
 
 f32 = jnp.float32
@@ -52,8 +53,9 @@ class Block(nnx.Module):
     self.cfg = cfg
     self.moe = moe
 
-  def __call__(self, x, n, sin, cos, kernel: bool):
-    """``(x, Norm(x)) -> (x', Norm(x'), aux)``; ``kernel``: the adds + norms in Pallas."""
+  def __call__(self, x, n, sin, cos, kernel: bool | str):
+    """``(x, Norm(x)) -> (x', Norm(x'), aux)``; ``kernel``: the adds + norms in Pallas (True)
+    or the norms by tokamax (its setting, :func:`scaleopt.models.layers.add_rms_norm`)."""
     eps = self.cfg.norm_eps
     h = self.attn(n, sin, cos)
     if self.cfg.post_norm:
@@ -77,7 +79,7 @@ class Unit(nnx.Module):
       setattr(self, f"b{i}", Block(cfg, rngs, moe=cfg.is_moe and i == cfg.period - 1))
     self.period = cfg.period
 
-  def __call__(self, x, n, sin, cos, kernel: bool):
+  def __call__(self, x, n, sin, cos, kernel: bool | str):
     aux = _zeros_aux()
     for i in range(self.period):
       x, n, a = getattr(self, f"b{i}")(x, n, sin, cos, kernel)
@@ -189,10 +191,38 @@ class Transformer(nnx.Module):
     return n, w_DxV, _reduce_aux(cfg, aux)
 
 
-def use_norm_kernel(setting: str, dtype: jnp.dtype, backend: str | None = None) -> bool:
-  """Whether the residual adds + norms run as Pallas kernels for the setting ``auto | pallas
-  | xla`` (``ModelConfig.norm_kernel``): ``auto`` on GPU with a 16-bit dtype."""
+def use_norm_kernel(setting: str, dtype: jnp.dtype, backend: str | None = None) -> bool | str:
+  """How the residual adds + norms run for the setting ``ModelConfig.norm_kernel``: True as
+  Pallas kernels (``pallas``; ``auto`` on GPU with a 16-bit dtype), a tokamax setting as it
+  is, False by XLA."""
+  if setting.startswith(tokamax_ops.PREFIX):
+    return setting
   return setting == "pallas" or (setting == "auto" and kernels.auto(dtype, backend))
+
+
+def kernel_choices(cfg: ModelConfig, mesh=None) -> dict[str, str]:
+  """The implementation each op resolves to on this process's devices under ``mesh``:
+  ``attention`` (xla, cudnn, tokamax_*), ``loss`` (pallas, xla; none without the fused
+  loss), ``norm`` (pallas, xla, tokamax_*), ``glu`` (xla, tokamax_*)."""
+  dt = jnp.dtype(cfg.dtype)
+  with sharding.constraints(mesh):
+    fused = cfg.fused_loss and not cfg.logits_dot_in_fp32
+    loss = ("pallas" if use_kernel(cfg.loss_kernel, dt, cfg.loss_chunks) else "xla"
+            ) if fused else "none"
+  norm = use_norm_kernel(cfg.norm_kernel, dt)
+  return {"attention": attention_impl(cfg, dt), "loss": loss,
+          "norm": norm if isinstance(norm, str) else ("pallas" if norm else "xla"),
+          "glu": cfg.glu_kernel if cfg.glu_kernel.startswith(tokamax_ops.PREFIX) else "xla"}
+
+
+def kernel_problem(cfg: ModelConfig) -> str | None:
+  """One line saying why a kernel the config names cannot run on this process's first
+  device (:func:`scaleopt.models.tokamax_ops.check`); None when all can."""
+  for key in ("attention_impl", "norm_kernel", "glu_kernel"):
+    problem = tokamax_ops.check(key, getattr(cfg, key))
+    if problem is not None:
+      return problem
+  return None
 
 
 def _reduce_aux(cfg: ModelConfig, aux: dict[str, jax.Array]) -> dict[str, jax.Array]:

@@ -252,7 +252,7 @@ def architecture_fields() -> list[str]:
 # ModelConfig fields that change numerics or speed but not the function or the parameters
 FREE_FIELDS = ("dtype", "remat", "scan_unroll", "attention_impl", "max_seq_len",
                "logits_dot_in_fp32", "fused_loss", "loss_chunks", "loss_kernel", "norm_kernel",
-               "init_std", "moe_capacity_factor", "moe_lb_weight", "moe_z_weight")
+               "glu_kernel", "init_std", "moe_capacity_factor", "moe_lb_weight", "moe_z_weight")
 
 
 def model_spec(model: Any) -> ModelSpec:

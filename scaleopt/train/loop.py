@@ -69,6 +69,9 @@ def setup(cfg: TrainConfig) -> Setup:
   if vocab > model.cfg.vocab_size:
     raise ConfigError(f"the data's vocabulary ({vocab} tokens) is larger than "
                       f"model.vocab_size={model.cfg.vocab_size}; set model.vocab_size >= {vocab}")
+  problem = models.kernel_problem(model.cfg)
+  if problem is not None:
+    raise ConfigError(problem)
   mesh = mesh_lib.make_mesh(cfg.mesh)
   mesh_lib.check_batch(mesh, data_cfg.batch_size, data_cfg.microbatches)
   model = model.with_mesh(mesh)

@@ -34,6 +34,7 @@ def summarize(cfg: TrainConfig, parts, res, meter: metrics.Meter, start, cell: i
       "layout": parts.spec.layout, "sweeps_per_step": passes,
       "optimizer_numerics": optim.resolved_numerics(cfg.optimizer),
       "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
+      "kernels": models.kernel_choices(parts.model.cfg, parts.mesh),
       "resumed_from": start,
       "stopped_early": bool(res.diverged[cell]) or res.interrupted is not None,
       "interrupted_by": res.interrupted, "phase_shifts": res.phase_shifts,
