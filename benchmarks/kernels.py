@@ -267,11 +267,11 @@ def steps_table(rows: list[dict]) -> str:
 
 def report(folder: str) -> str:
   """The call's tables (lab/gpu/kernels_call.sh's $OUT): card and versions, the equality
-  tests, per-op times, whole steps."""
+  tests, per-op times, whole steps (each row's part: its own ``part``, else its file's name)."""
   import pathlib  # pylint: disable=import-outside-toplevel
   d = pathlib.Path(folder)
   ops = _jsonl(d / "ops.jsonl")
-  steps = [dict(r, part=f.stem) for f in sorted(d.glob("*.jsonl")) if f.name != "ops.jsonl"
+  steps = [{"part": f.stem, **r} for f in sorted(d.glob("*.jsonl")) if f.name != "ops.jsonl"
            for r in _jsonl(f)]
   first = (ops or steps or [{}])[0]
   head = (f"card: {first.get('device', first.get('device_kind', '?'))}; jax "

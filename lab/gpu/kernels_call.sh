@@ -13,49 +13,74 @@
 # leave-one-out AdamW-BC), "small" 16 x 1024 in one microbatch, each today's kernels then the
 # chosen ones.
 # Each part is skipped once fewer seconds are left than it needs; rows are written as they
-# finish. $OUT gets env.txt, pip.log, tests.{log,xml}, ops.{log,jsonl}, gpt2.{log,jsonl},
-# profile.log, qwen_<part>.{log,jsonl}, chosen.txt, call.txt (seconds per part) and
-# report.md (the tables: benchmarks/kernels.py --report).
+# finish. Every part writes into a work folder; after each part, and on exit, $OUT is rewritten
+# with eight files (the device call returns at most eight): report.md (card, versions, chosen
+# settings, seconds per part, then benchmarks/kernels.py --report's tables), tests.log,
+# tests.xml, ops.log, ops.jsonl, profile.log, steps.log (gpt2 and qwen_<part> logs, each under
+# a "## name" line) and steps.jsonl (their rows, each with its part).
 set -uo pipefail
 out=${OUT:-/tmp/kernels_call}
+work=$(mktemp -d /tmp/kernels_work.XXXX)
 mkdir -p "$out"
 start=$(date +%s)
 limit=${SECONDS_MAX:-540}
 left() { echo $(( limit - ($(date +%s) - start) )); }
-mark() { echo "$1: $(( $(date +%s) - start )) s" >> "$out/call.txt"; }
+mark() { echo "$1: $(( $(date +%s) - start )) s" >> "$work/call.txt"; pack; }
+pack() {  # $work -> the eight files of $OUT
+  local f
+  for f in tests.log tests.xml ops.log ops.jsonl profile.log; do
+    [ -f "$work/$f" ] && cp "$work/$f" "$out/$f"
+  done
+  : > "$out/steps.log"
+  for f in "$work"/gpt2.log "$work"/qwen_*.log; do
+    [ -f "$f" ] && { echo "## $(basename "$f" .log)"; cat "$f"; echo; } >> "$out/steps.log"
+  done
+  python3 - "$work" "$out/steps.jsonl" <<'PY'
+import json, pathlib, sys
+rows = [dict(json.loads(l), part=f.stem) for f in sorted(pathlib.Path(sys.argv[1]).glob("*.jsonl"))
+        if f.name != "ops.jsonl" for l in open(f) if l.strip()]
+open(sys.argv[2], "w").write("".join(json.dumps(r) + "\n" for r in rows))
+PY
+  { echo "# kernels call"; echo; echo '```'; cat "$work/env.txt" "$work/chosen.txt" \
+      "$work/call.txt" 2>/dev/null; echo '```'; echo
+    [ -s "$work/pip.log" ] && { echo '```'; tail -20 "$work/pip.log"; echo '```'; echo; }
+    python3 benchmarks/kernels.py --report "$work" 2>&1; } > "$out/report.md"
+}
+trap pack EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl > "$out/pip.log" 2>&1 || { cat "$out/pip.log"; exit 1; }
+  --target /tmp/site .whl/*.whl > "$work/pip.log" 2>&1 || { cat "$work/pip.log"; exit 1; }
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import sys, jax, jaxlib, tokamax; print(sys.version.split()[0], 'jax', \
 jax.__version__, 'jaxlib', jaxlib.__version__, 'tokamax', tokamax.__version__, jax.devices())"
-} > "$out/env.txt" 2>&1
-cat "$out/env.txt"
+} > "$work/env.txt" 2>&1
+cat "$work/env.txt"
 mark setup
 
 if [ "${TESTS:-1}" = 1 ]; then
   # SIGINT: pytest stops and still writes the results of the tests that ran
   timeout -s INT -k 15 200 python3 -m pytest -q -p no:xdist -rs tests/models/test_kernels_gpu.py \
-    --junitxml "$out/tests.xml" > "$out/tests.log" 2>&1
-  tail -25 "$out/tests.log"
-  junit="--junit $out/tests.xml"
+    --junitxml "$work/tests.xml" > "$work/tests.log" 2>&1
+  tail -25 "$work/tests.log"
+  junit="--junit $work/tests.xml"
 else
   junit=""
 fi
 mark tests
 
 if [ "${OPS:-1}" = 1 ] && [ "$(left)" -gt 60 ]; then
-  timeout $(( $(left) - 30 )) python3 benchmarks/kernels.py --jsonl "$out/ops.jsonl" \
-    > "$out/ops.log" 2>&1
-  sed -n '/^| shape/,$p' "$out/ops.log"
+  timeout $(( $(left) - 30 )) python3 benchmarks/kernels.py --jsonl "$work/ops.jsonl" \
+    > "$work/ops.log" 2>&1
+  sed -n '/^| shape/,$p' "$work/ops.log"
 fi
 mark ops
 
 choose() {  # $1 shape; $2 optional --single
-  python3 benchmarks/kernels.py --choose "$out/ops.jsonl" $junit --shapes "$1" ${2:-}
+  python3 benchmarks/kernels.py --choose "$work/ops.jsonl" $junit --shapes "$1" ${2:-}
 }
 g=$(choose gpt2-small); q=$(choose qwen2.5-0.5b)
-echo "gpt2-small: ${g:-today's}; qwen2.5-0.5b: ${q:-today's}" | tee "$out/chosen.txt"
+today="today's kernels"  # an apostrophe inside ${...:-...} is a bad substitution
+echo "chosen: gpt2-small: ${g:-$today}; qwen2.5-0.5b: ${q:-$today}" | tee "$work/chosen.txt"
 # All singles of gpt2-small's choice, when it changes more than one op.
 singles=""
 [ "$(choose gpt2-small --single | tr ',' '\n' | grep -c .)" -gt 1 ] && \
@@ -64,8 +89,8 @@ steps() {  # $1 name, $2 seconds it needs at least, then mesh_throughput.py argu
   local name=$1 need=$2; shift 2
   [ "$(left)" -gt "$need" ] || { echo "$name: skipped ($(left) s left)"; return; }
   timeout $(( $(left) - 10 )) python3 benchmarks/mesh_throughput.py --same-process \
-    --deadline $(( $(left) - 20 )) --jsonl "$out/$name.jsonl" "$@" > "$out/$name.log" 2>&1
-  sed -n '/^| /,$p' "$out/$name.log"
+    --deadline $(( $(left) - 20 )) --jsonl "$work/$name.jsonl" "$@" > "$work/$name.log" 2>&1
+  sed -n '/^| /,$p' "$work/$name.log"
   mark "$name"
 }
 
@@ -78,7 +103,7 @@ if [ "${PROFILE:-1}" = 1 ] && [ "$(left)" -gt 90 ]; then  # gpt2-small's step wi
   sets=$(echo "$g" | sed 's/+m\([a-z_]*\)=\([a-z_]*\)/ --set model.\1=\2/g')
   XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_latency_hiding_scheduler=true" \
     timeout 80 python3 benchmarks/profile_step.py --batch 64 --micro 1 --steps 2 --warmup 2 \
-    --top 30 $sets > "$out/profile.log" 2>&1
+    --top 30 $sets > "$work/profile.log" 2>&1
   mark profile
 fi
 qp=data1+pqwen2.5-0.5b
@@ -94,5 +119,5 @@ for part in ${QWEN-adamw loo small}; do
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 steps "qwen_$part" 120 --seq 1024 --unroll 0 $args \
     --configs "$c"
 done
-python3 benchmarks/kernels.py --report "$out" > "$out/report.md" 2>&1; cat "$out/report.md"
-echo "call: $(( $(date +%s) - start )) s" | tee -a "$out/call.txt"
+mark call
+cat "$out/report.md"
