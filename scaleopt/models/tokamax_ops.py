@@ -53,6 +53,27 @@ def _tokamax():
   return tokamax
 
 
+def _release(version: str) -> tuple[int, ...]:
+  """``"0.11.2"`` -> ``(0, 11, 2)`` (a suffix such as ``.dev1`` or ``rc1`` is dropped)."""
+  out = []
+  for part in version.split(".")[:3]:
+    digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+    if not digits:
+      break
+    out.append(int(digits))
+  return tuple(out)
+
+
+def runs_on_this_jax(key: str, impl: str, tokamax_version: str, jax_version: str) -> bool:
+  """Whether tokamax's ``impl`` kernel for ``key`` runs with this jax. Releases up to 0.0.12
+  build their Mosaic GPU kernels with ``plgpu.kernel(out_shape=...)`` and their Triton
+  attention and GLU with ``pl.dot`` and ``jax.core.DropVar``, which jax 0.11 removed; their
+  Triton norm and XLA references use neither."""
+  if impl == "xla" or (impl == "triton" and key == "norm_kernel"):
+    return True
+  return not (_release(tokamax_version) <= (0, 0, 12) and _release(jax_version) >= (0, 11))
+
+
 def implementation(setting: str) -> str:
   """tokamax's name of the implementation a setting names (``tokamax_mosaic`` -> ``mosaic``)."""
   return setting[len(PREFIX):]
@@ -73,6 +94,11 @@ def check(key: str, setting: str, device: jax.Device | None = None) -> str | Non
   if device.platform != "gpu":
     return (f"model.{key}={setting} runs on NVIDIA GPUs only; this device is "
             f"{device.platform} (use auto, xla or tokamax_xla)")
+  version = getattr(_tokamax(), "__version__", MEASURED_VERSION)
+  if not runs_on_this_jax(key, impl, version, jax.__version__):
+    return (f"model.{key}={setting}: tokamax {version}'s {impl} kernels do not run on jax "
+            f"{jax.__version__} (Pallas APIs they use were removed in jax 0.11); use auto, or a "
+            f"tokamax release built for this jax")
   cc = float(getattr(device, "compute_capability", 0) or 0)
   if impl == "mosaic" and cc < 9.0:
     return (f"model.{key}={setting} needs a Hopper or newer GPU (compute capability >= 9.0); "

@@ -7,6 +7,7 @@ are compared in tests/models/test_kernels_gpu.py."""
 import json
 import pathlib
 import subprocess
+import types
 import sys
 
 import jax
@@ -141,6 +142,26 @@ def test_missing_tokamax_is_one_line(monkeypatch):
   problem = models.kernel_problem(models.ModelConfig(norm_kernel="tokamax_xla"))
   assert problem.startswith("model.norm_kernel=tokamax_xla needs the tokamax package")
   assert models.kernel_problem(models.ModelConfig()) is None  # today's path needs none
+
+
+def test_kernels_that_do_not_run_on_the_installed_jax_are_refused(monkeypatch):
+  """On jax 0.11, tokamax 0.0.12's Mosaic kernels and Triton attention / GLU fail while they
+  trace (removed Pallas APIs); its Triton norm and XLA references run. A GPU device is stood in
+  by an object with the attributes ``check`` reads."""
+  run = tokamax_ops.runs_on_this_jax
+  assert not run("attention_impl", "mosaic", "0.0.12", "0.11.2")
+  assert not run("attention_impl", "triton", "0.0.12", "0.11.0rc1")
+  assert not run("glu_kernel", "triton", "0.0.11", "0.12.0")
+  assert run("norm_kernel", "triton", "0.0.12", "0.11.2")
+  assert run("attention_impl", "xla", "0.0.12", "0.11.2")
+  assert run("attention_impl", "mosaic", "0.0.12", "0.10.2")
+  assert run("attention_impl", "mosaic", "0.0.13", "0.11.2")
+  gpu = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="H100")
+  monkeypatch.setattr(tokamax_ops.jax, "__version__", "0.11.2")
+  problem = tokamax_ops.check("attention_impl", "tokamax_mosaic", gpu)
+  assert problem.startswith("model.attention_impl=tokamax_mosaic: tokamax ")
+  assert "do not run on jax 0.11.2" in problem and "\n" not in problem
+  assert tokamax_ops.check("norm_kernel", "tokamax_triton", gpu) is None
 
 
 @pytest.mark.integration
