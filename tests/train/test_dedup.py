@@ -1,0 +1,190 @@
+"""Near-duplicate groups and the leakage measure (scaleopt.train.dedup) against brute force over
+every pair of documents with Python sets, on corpora built here: planted near-copies (a share
+of lines changed), exact copies, short documents inside long ones, unrelated documents."""
+
+import hashlib
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from scaleopt.train import dedup as D
+
+pytest.importorskip("datasketch")
+
+
+def _lines(text: str) -> set:
+  return {ln.strip() for ln in text.split("\n") if ln.strip()}
+
+
+def _doc(rng, n, tag):
+  return "\n".join(f"    {tag}_{rng.integers(1 << 40)} = f({k})  " for k in range(n)) + "\n"
+
+
+def _edit(rng, text, share, tag):
+  """A near-copy: ``share`` of the lines replaced by new ones, a few blank lines added."""
+  lines = text.splitlines()
+  for k in rng.choice(len(lines), int(round(share * len(lines))), replace=False):
+    lines[k] = f"{tag}_{rng.integers(1 << 40)} = 0"
+  return "\n\n".join(lines[:3]) + "\n" + "\n".join(lines[3:]) + "\n"
+
+
+def _corpus(seed=0, families=40, excerpts=10):
+  """Families of near-copies (2-4 members, 0-10% of lines changed, one exact copy each fifth
+  family), plus unrelated documents and short excerpts (90% of a family's first lines inside a
+  document four times longer). Returns texts and the planted family of each (-1: none)."""
+  rng = np.random.default_rng(seed)
+  texts, family = [], []
+  for f in range(families):
+    base = _doc(rng, int(rng.integers(20, 120)), f"f{f}")
+    members = [base] + [_edit(rng, base, rng.uniform(0, 0.1), f"e{f}_{m}")
+                        for m in range(int(rng.integers(1, 4)))]
+    if f % 5 == 0:
+      members.append(base)
+    texts += members
+    family += [f] * len(members)
+  for u in range(60):
+    texts.append(_doc(rng, int(rng.integers(5, 80)), f"u{u}"))
+    family.append(-1)
+  for x in range(excerpts):  # a short excerpt of a long document: not a near-copy of it
+    long = _doc(rng, 200, f"L{x}")
+    texts += [long, "\n".join(long.splitlines()[:45] + [f"x{x}_{k}" for k in range(5)])]
+    family += [-1, -1]
+  order = rng.permutation(len(texts))
+  return [texts[i] for i in order], [family[i] for i in order]
+
+
+def test_line_set_hashes_stripped_distinct_non_blank_lines():
+  text = "a = 1\n  a = 1  \n\n\t\nb\r\n" + "c" * 3
+  want = sorted(int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
+                for s in ("a = 1", "b", "ccc"))
+  got = D.line_set(text)
+  assert got.dtype == np.uint64 and got.tolist() == want
+  assert D.line_set(text.encode()).tolist() == want and D.line_set("\n \n").size == 0
+
+
+def _brute_groups(texts, threshold, jaccard):
+  """Connected components of the pairs whose smaller line set shares >= threshold of its lines
+  and whose Jaccard index is >= jaccard, over every pair (no MinHash); each document's first
+  member in input order."""
+  sets = [_lines(t) for t in texts]
+  parent = list(range(len(texts)))
+
+  def find(i):
+    while parent[i] != i:
+      i = parent[i]
+    return i
+  for i, j in itertools.combinations(range(len(texts)), 2):
+    a, b = sets[i], sets[j]
+    if a and b and len(a & b) >= threshold * min(len(a), len(b)) and (
+        len(a & b) >= jaccard * len(a | b)):
+      ri, rj = find(i), find(j)
+      parent[max(ri, rj)] = min(ri, rj)
+  return [find(i) for i in range(len(texts))], sets
+
+
+def test_groups_match_brute_force_and_the_planted_families():
+  texts, family = _corpus()
+  brute, sets = _brute_groups(texts, 0.8, 0.5)
+  g = D.groups([D.line_set(t) for t in texts], threshold=0.8, jaccard=0.5)
+  assert g.rep.tolist() == brute  # every near-duplicate pair found, nothing else joined
+  for f in set(family) - {-1}:  # each planted family is one group, led by its first member
+    idx = [i for i, x in enumerate(family) if x == f]
+    assert {int(g.rep[i]) for i in idx} == {min(idx)}
+  # unrelated documents and the short excerpts stay alone (the excerpts share 90% of their
+  # lines with a document four times longer: Jaccard 0.22, not a near-copy)
+  alone = [i for i, x in enumerate(family) if x == -1]
+  assert all(g.rep[i] == i and (g.sizes()[i] == 1) for i in alone)
+  s = g.summary()
+  assert s["grouped_documents"] == sum(1 for x in family if x != -1)
+  assert s["joined_pairs"] <= s["candidate_pairs"]
+
+
+def _brute_leak(sets, heldout, t):
+  train = [sets[i] for i, h in enumerate(heldout) if not h]
+  return [bool(h and sets[i] and any(len(sets[i] & b) >= t * len(sets[i]) for b in train))
+          for i, h in enumerate(heldout)]
+
+
+@pytest.mark.parametrize("t", [0.8, 0.5, 1.0])
+def test_contained_in_training_matches_brute_force(t):
+  texts, _ = _corpus(seed=1, families=25)
+  rng = np.random.default_rng(2)
+  heldout = list(rng.random(len(texts)) < 0.3)
+  sets = [_lines(x) for x in texts]
+  got = D.contained_in_training([D.line_set(x) for x in texts], heldout, t)
+  want = _brute_leak(sets, heldout, t)
+  assert got.tolist() == want and sum(want) > 0
+
+
+def test_leakage_bytes_and_lines_against_brute_force():
+  texts, _ = _corpus(seed=3, families=25)
+  rng = np.random.default_rng(4)
+  heldout = list(rng.random(len(texts)) < 0.3)
+  sets = [_lines(x) for x in texts]
+  nbytes = [len(x.encode()) for x in texts]
+  got = D.leakage([D.line_set(x) for x in texts], nbytes, heldout)
+  total = sum(b for b, h in zip(nbytes, heldout) if h)
+  for t in (0.8, 0.5):
+    leak = _brute_leak(sets, heldout, t)
+    assert got[f"bytes_at_{t:g}"] == pytest.approx(
+        sum(b for b, x in zip(nbytes, leak) if x) / total, rel=1e-12)
+  train_lines = set().union(*(s for s, h in zip(sets, heldout) if not h))
+  held = [s for s, h in zip(sets, heldout) if h]
+  assert got["lines_in_training"] == pytest.approx(
+      sum(len(s & train_lines) for s in held) / sum(map(len, held)), rel=1e-12)
+  assert got["heldout_bytes"] == total
+
+
+def test_split_by_group_keeps_near_copies_together_and_removes_the_leak():
+  """prepare's rule on each document's key digest leaks near-copies; on the group
+  representative's digest nothing at >= 80% leaks, and a group is held out as often as a
+  document (its first member's digest: no bias towards large groups)."""
+  texts, family = _corpus(seed=5, families=60, excerpts=0)
+  sets = [D.line_set(t) for t in texts]
+  nbytes = [len(t.encode()) for t in texts]
+  digests = [D.key_digest(t.encode()) for t in texts]
+  for f, d in zip((0.3, 0.05), (digests, digests)):
+    before = D.summarize(sets, nbytes, d, f)
+    g = D.groups(sets)
+    after = D.summarize(sets, nbytes, d, f, g.rep)
+    held = D.split_by_group(d, g.rep, f)
+    for fam in set(family) - {-1}:
+      assert len({held[i] for i, x in enumerate(family) if x == fam}) == 1
+    if f == 0.3:
+      assert before["bytes_at_0.8"] > 0.2
+    assert after["bytes_at_0.8"] == 0.0
+  # a short excerpt inside a long training document is no near-copy: it still leaks
+  texts, _ = _corpus(seed=5, families=0, excerpts=40)
+  sets = [D.line_set(t) for t in texts]
+  digests = [D.key_digest(t.encode()) for t in texts]
+  rep = D.groups(sets).rep
+  assert (rep == np.arange(len(texts))).all()
+  assert D.summarize(sets, [1] * len(texts), digests, 0.3, rep)["bytes_at_0.8"] > 0
+  # the representative's digest is uniform: over many groups, the held-out share is f
+  digest = [D.key_digest(str(i).encode()) for i in range(40000)]
+  rep = np.repeat(np.arange(0, 40000, 4), 4)  # groups of four, led by their first member
+  share = D.split_by_group(digest, rep, 0.1)[::4].mean()
+  assert abs(share - 0.1) < 3 * math.sqrt(0.1 * 0.9 / 10000)
+
+
+def test_group_and_leak_thresholds_at_their_boundaries():
+  """Exactly 80% of the smaller's lines shared joins, 78% does not; Jaccard exactly 0.5 joins,
+  40/81 does not; a held-out document sharing exactly 80% of its lines leaks even when its
+  other lines are the rarest (the prefix filter's length)."""
+  def doc(tag, n):
+    return [f"{tag} line {k}" for k in range(n)]
+  base = doc("base", 50)
+  other = doc("other", 50)
+  long40 = doc("sub", 40)
+  texts = ["\n".join(x) for x in (
+      base, base[:40] + doc("new1", 10),  # 40 of 50 shared: joined
+      other, other[:39] + doc("new2", 11),  # 39 of 50: not joined
+      long40, long40 + doc("more", 40),  # 40 of 40, Jaccard 40/80: joined
+      doc("sub2", 40), doc("sub2", 40) + doc("more2", 41))]  # Jaccard 40/81: not joined
+  g = D.groups([D.line_set(t) for t in texts], threshold=0.8, jaccard=0.5)
+  assert g.rep.tolist() == [0, 0, 2, 3, 4, 4, 6, 7]
+  sets = [D.line_set(t) for t in texts[:4]]
+  assert D.contained_in_training(sets, [False, True, False, True], 0.8).tolist() == [
+      False, True, False, False]
