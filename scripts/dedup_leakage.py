@@ -52,7 +52,7 @@ def measure(docs, val_fraction: float, threshold: float, jaccard: float) -> list
 def table(rows: list[dict], corpus: str) -> str:
   head = ("| corpus | split | documents | held-out documents | held-out bytes at >= 80% of "
           "lines | at >= 50% | held-out lines in training |\n|---|---|---|---|---|---|---|")
-  body = [f"| {corpus} | {r['split']} | {r["documents"]:,} | {r['heldout_documents']:,} | "
+  body = [f"| {corpus} | {r['split']} | {r['documents']:,} | {r['heldout_documents']:,} | "
           f"{100 * r['bytes_at_0.8']:.2f}% | {100 * r['bytes_at_0.5']:.2f}% | "
           f"{100 * r['lines_in_training']:.1f}% |" for r in rows]
   return "\n".join([head] + body)
