@@ -27,7 +27,7 @@ import jax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import mesh_throughput as mt  # noqa: E402
-from scaleopt.train import data as D, loop  # noqa: E402
+from scaleopt.train import data as D, loop, mesh as mesh_lib  # noqa: E402
 
 MODES = ("fixed_async", "fresh_async", "fixed_sync1", "fresh_sync1", "fresh_sync1_host")
 DEFAULTS = dict(preset="gpt2-small", batch=64, seq=1024, micro=1, unroll=0, steps=100,
@@ -41,7 +41,7 @@ def probe(name: str, n: int = 20) -> None:
   d = s.cfg.data
   it = D.Batches(s.train_w, d.batch_size, d.microbatches, groups=s.spec.num_groups, seed=0)
   shape = (d.microbatches * s.spec.num_groups, d.batch_size // d.microbatches, d.seq_len + 1)
-  put = lambda b: {k: loop._put(fns.batch_sh, v, shape) for k, v in b.items()}
+  put = lambda b: {k: mesh_lib.put_global(fns.batch_sh, v, shape) for k, v in b.items()}
   fixed = put(it.next())
   st = fns.init()
   for _ in range(3):

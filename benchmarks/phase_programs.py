@@ -27,7 +27,7 @@ import jax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import mesh_throughput as mt  # noqa: E402
-from scaleopt.train import data as D, loop, phased as phased_lib  # noqa: E402
+from scaleopt.train import data as D, loop, mesh as mesh_lib, phased as phased_lib  # noqa: E402
 
 DEFAULTS = dict(preset="gpt2-small", batch=32, seq=1024, micro=1, unroll=0, steps=100,
                 dtype="bfloat16", platform="gpu")
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
   fns = loop.compile_fns(s)
   d = s.cfg.data
   it = D.Batches(s.train_w, d.batch_size, d.microbatches, groups=s.spec.num_groups, seed=0)
-  batch = {k: loop._put(fns.batch_sh, v, loop.batch_shape(s)) for k, v in it.next().items()}
+  batch = {k: mesh_lib.put_global(fns.batch_sh, v, loop.batch_shape(s)) for k, v in it.next().items()}
   ph = fns.phased
   print(f"# {a.config} on {jax.device_count()} x {jax.devices()[0].device_kind}; "
         f"schedules {ph.schedules if ph else None}; jax {jax.__version__}", flush=True)

@@ -37,7 +37,7 @@ import jax
 from scaleopt.models import accounting
 from scaleopt.train import config as C
 from scaleopt.train import data as D
-from scaleopt.train import loop
+from scaleopt.train import flops, loop
 
 KINDS = (("collective", ("nccl", "all-reduce", "all-gather", "reduce-scatter", "allreduce",
                          "allgather", "reducescatter")),
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
         f"{d.batch_size} x {d.seq_len}, {d.microbatches} microbatch(es), fused loss "
         f"{not args.unfused}, {' '.join(args.set) or 'adamw'}, "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-  peak = loop.peak_flops(dev, None)
+  peak = flops.peak_flops(dev, None)
   tokens_per_s = s.spec.num_groups * d.batch_size * d.seq_len / wall
   mfu = peak and accounting.mfu(tokens_per_s, s.model.cfg, d.seq_len, peak * jax.device_count())
   util = f", MFU {100 * mfu:.1f}%" if peak else ""

@@ -28,7 +28,7 @@ import jax
 
 from scaleopt import models
 from scaleopt.train import config as C
-from scaleopt.train import loop
+from scaleopt.train import flops, loop
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
   cfg = models.get_preset(args.preset).replace(max_seq_len=args.seq, dtype=dtype,
                                                scan_unroll=args.unroll)
   dev = jax.devices()[0]
-  peak = loop.peak_flops(dev, None)
+  peak = flops.peak_flops(dev, None)
   fpt = models.flops_per_token(cfg, args.seq)
   ntok = args.batch * args.seq
   print(f"# device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, preset "

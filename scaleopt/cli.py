@@ -37,17 +37,18 @@ def _config(args: argparse.Namespace, kind: str) -> str | None:
 
 
 def _print_config(path: str, overrides: list[str]) -> int:
+  import dataclasses
+
   import yaml
 
+  from scaleopt.config import to_dict
+  from scaleopt.train.bridge import with_source_architecture
   from scaleopt.train.config import ConfigError, load_config
-  try:
-    cfg = load_config(path, overrides)
+  try:  # a model.init_from source's architecture is read as the trainer would
+    cfg = with_source_architecture(load_config(path, overrides))
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  import dataclasses
-
-  from scaleopt.config import to_dict
   print(f"# resolved from {path}" + (f" with {' '.join(overrides)}" if overrides else ""))
   print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
   built = to_dict(dataclasses.asdict(cfg.model.config))

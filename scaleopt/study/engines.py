@@ -18,7 +18,7 @@ from typing import Optional
 
 import jax
 
-from scaleopt.train import bridge, checkpoint, data, faults, loop
+from scaleopt.train import checkpoint, data, evaluation, faults, loop
 from scaleopt.train.config import TrainConfig
 
 NAN = float("nan")
@@ -43,14 +43,14 @@ def vmap_ok(cfg: TrainConfig) -> bool:
 
 
 def gradient_passes(cfg: TrainConfig, spec, steps: int) -> float:
-  """Sequences through forward + backward: steps x batch x groups x sweeps per step. Sophia's
-  curvature pass is one more sweep every ``refresh_every`` steps where it reruns the step's
+  """Sequences through forward + backward: steps x batch x groups x passes per step. Sophia's
+  curvature pass is one more pass every ``refresh_every`` steps where it reruns the step's
   own microbatches (``all``, ``symmetric``); with ``ab`` it takes group B's place on refresh
   steps, and ``rolling_b`` counts it in ``passes_per_step``."""
-  sweeps = bridge.passes_per_step(spec)
+  passes = spec.passes_per_step
   if spec.estimator in ("gnb", "hutchinson") and spec.layout not in ("ab", "rolling_b"):
-    sweeps += 1.0 / spec.refresh_every
-  return float(steps * cfg.data.batch_size * spec.num_groups * sweeps)
+    passes += 1.0 / spec.refresh_every
+  return float(steps * cfg.data.batch_size * spec.num_groups * passes)
 
 
 def _result(cfg, spec, summ: dict, status: str, val: float, test: float, engine: str) -> dict:
@@ -68,7 +68,7 @@ def _result(cfg, spec, summ: dict, status: str, val: float, test: float, engine:
 
 def _heldout_losses(s: loop.Setup, fns: loop.Compiled, params) -> dict:
   sets = data.heldout_eval_sets(s.val_w, s.cfg.run.eval_tokens)
-  return {p: loop.make_evaluate(s.cfg, fns, ev, False)(params) for p, ev in sets.items()}
+  return {p: evaluation.make_evaluate(s.cfg, fns, ev, False)(params) for p, ev in sets.items()}
 
 
 def run_loop(cfg: TrainConfig, d: pathlib.Path, resume: bool) -> dict:
@@ -83,7 +83,7 @@ def run_loop(cfg: TrainConfig, d: pathlib.Path, resume: bool) -> dict:
   except faults.Interrupted:
     return {"status": "interrupted"}
   summ = json.loads((d / "summary.json").read_text())
-  summ["test_set"] = loop.eval_identity(data.heldout_eval_sets(
+  summ["test_set"] = evaluation.eval_identity(data.heldout_eval_sets(
       s.val_w, cfg.run.eval_tokens)["test"])["eval_set"]
   losses = {"val": NAN, "test": NAN}
   if status == "ok":

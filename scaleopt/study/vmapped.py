@@ -39,8 +39,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from scaleopt import optim
-from scaleopt.train import (checkpoint, data, loop, mesh as mesh_lib, metrics,
-                            phased, step as step_lib)
+from scaleopt.train import (checkpoint, data, evaluation, loop, mesh as mesh_lib, metrics,
+                            phased, prefetch, step as step_lib, summary)
 from scaleopt.train.config import ConfigError, TrainConfig, dump_config
 
 
@@ -182,7 +182,7 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
                       rolling_b=s.spec.layout == "rolling_b", seed=sd)
          for sd in (seeds[:1] if shared else seeds)]
   sets = data.heldout_eval_sets(s.val_w, r.eval_tokens)
-  parts = {p: None if ev is None else jnp.asarray(ev.microbatches(loop.eval_microbatch(c0))[0])
+  parts = {p: None if ev is None else jnp.asarray(ev.microbatches(evaluation.eval_microbatch(c0))[0])
            for p, ev in sets.items()}
 
   def evaluate(state, part: str) -> np.ndarray:
@@ -199,13 +199,13 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
   step0 = int(jax.device_get(state.step[0]))
   logs = [metrics.MetricsLog(dd, resume_step=step0 if resume_step is not None else None,
                              tensorboard=r.tensorboard) for dd in dirs]
-  feed = loop.Prefetch(_CellBatches(its), jax.device_put, max(0, r.steps - step0))
+  feed = prefetch.Prefetch(_CellBatches(its), jax.device_put, max(0, r.steps - step0))
 
   def save(st, step: int, only_if_sound: bool = False) -> bool:
     del only_if_sound  # every cell's state is kept (a diverged cell's steps were skipped)
     pos = feed.state()
     for i, ck in enumerate(ckpts):
-      ck.save(step, _slice(st, i), loop.with_state_format(cfgs[i], pos[0 if shared else i]))
+      ck.save(step, _slice(st, i), checkpoint.with_state_format(cfgs[i], pos[0 if shared else i]))
     return True
 
   cells = loop.Cells(n, phased.OneProgram(lambda st, b: fns.step(st, b, lrs)), feed, logs,
@@ -235,7 +235,7 @@ def _restore_group(cfgs, s, fns, ckpts, its, resume_step, seeds):
   abstract = checkpoint.abstract(fns.state_shape, jax.tree.map(lambda _: sh, fns.state_shape))
   restored = [ck.restore(resume_step, abstract) for ck in ckpts]
   state = jax.device_put(_stack([st for st, _ in restored]), NamedSharding(s.mesh, P()))
-  dstates = [loop.check_state_format(c, ds, f"{ck.dir}/{resume_step}")
+  dstates = [checkpoint.check_state_format(c, ds, f"{ck.dir}/{resume_step}")
              for c, (_, ds), ck in zip(cfgs, restored, ckpts)]
   for it, ds in zip(its, dstates):
     it.restore(ds)
@@ -251,9 +251,9 @@ def _finish(cfgs, dirs, s, res, meter, resume_step, sets, test) -> GroupResult:
   for i, (c, dd) in enumerate(zip(cfgs, dirs)):
     status.append("interrupted" if res.interrupted is not None
                   else "diverged" if res.diverged[i] else "ok")
-    summ = {**loop.summarize(c, s, res, meter, resume_step, cell=i),
-            "group_wall_time_s": wall, "cells_at_once": n, **loop.eval_identity(sets["val"]),
-            "test_set": loop.eval_identity(sets["test"])["eval_set"]}
+    summ = {**summary.summarize(c, s, res, meter, resume_step, cell=i),
+            "group_wall_time_s": wall, "cells_at_once": n, **evaluation.eval_identity(sets["val"]),
+            "test_set": evaluation.eval_identity(sets["test"])["eval_set"]}
     metrics.write_summary(dd, summ)
     summaries.append(summ)
     if c.run.plot:

@@ -12,36 +12,38 @@ from scaleopt import models
 from scaleopt.optim.build import OptimizerConfig, build
 from scaleopt.optim.collect import CollectorSpec
 from scaleopt.optim.schedules import make_schedule
-from scaleopt.train.config import ModelKeys, ModelSpec, model_spec
+from scaleopt.train import convert
+from scaleopt.train.config import (ConfigError, ModelSpec, TrainConfig, model_spec,
+                                   resolve_model_config)
 
 PyTree = Any
-# model-section keys that are not ModelConfig fields (init_from: scaleopt.train.convert)
-MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelKeys))
+
+
+def with_source_architecture(cfg: TrainConfig) -> TrainConfig:
+  """``cfg`` with its model resolved: where ``model.init_from`` names a source and the section
+  leaves architecture fields to it, the source's config is read (no tensors) and those fields
+  taken from it (``convert.with_architecture``), so the run's recorded config names the whole
+  architecture and resumes without the source. Called when the trainer starts."""
+  return dataclasses.replace(cfg, model=resolve_model(cfg.model))
+
+
+def resolve_model(spec: ModelSpec) -> ModelSpec:
+  """A model spec whose ``config`` is set (``with_source_architecture``)."""
+  if spec.config is not None:
+    return spec
+  resolved = model_spec(convert.with_architecture(spec.section))
+  if resolved.config is None:
+    raise ConfigError(f"model.init_from={spec.init_from!r} leaves architecture fields unset")
+  return resolved
 
 
 def model_config(section) -> models.ModelConfig:
-  """ModelConfig from the ``model`` section (a mapping, or a validated ``ModelSpec``, whose
-  resolved config it returns): ``preset`` (default ``ModelKeys.preset``), optional
-  ``variant`` (a scale-vector variant name) and any ModelConfig field as an override."""
+  """ModelConfig from the ``model`` section: a mapping (``config.resolve_model_config``), or a
+  validated ``ModelSpec``, whose resolved config it returns (a source's architecture read by
+  ``resolve_model``)."""
   if isinstance(section, ModelSpec):
-    return section.config
-  fields = {f.name for f in dataclasses.fields(models.ModelConfig)}
-  bad = [k for k in section if k not in fields and k not in MODEL_KEYS]
-  if bad:
-    raise ValueError(f"unknown key 'model.{bad[0]}'; allowed: {sorted(MODEL_KEYS)} and the "
-                     f"ModelConfig fields {sorted(fields)}")
-  cfg = models.get_preset(section.get("preset", ModelKeys.preset))
-  if section.get("variant") is not None:
-    cfg = cfg.with_variant(section["variant"])
-  over = {k: v for k, v in section.items() if k in fields}
-  if "dual_targets" in over and isinstance(over["dual_targets"], list):
-    over["dual_targets"] = tuple(over["dual_targets"])
-  return dataclasses.replace(cfg, **over) if over else cfg
-
-
-def optimizer_config(section: dict) -> OptimizerConfig:
-  """Validates the optimizer section (errors name the key and the allowed values)."""
-  return OptimizerConfig.from_dict(section)
+    return resolve_model(section).config
+  return resolve_model_config(section)
 
 
 class Built(NamedTuple):
@@ -62,24 +64,24 @@ def build_optimizer(section, wd_mask=None, sparse_filter=None, shard_dims=None) 
   return Built(tx, spec, schedule)
 
 
-def run_optimizer(section, wd_policy: str) -> Built:
-  """The optimizer a training run steps with: weight decay under ``wd_policy``, embeddings
-  through ``sparse_filter``, Shampoo's blocks ordered by the model's FSDP dims. Every argument
-  is a function of the parameters, so it is built from the config alone (once, when the
-  config is validated: ``TrainConfig.optimizer_built``)."""
-  return build_optimizer(section, wd_mask=lambda p: models.weight_decay_mask(p, wd_policy),
-                         sparse_filter=sparse_filter, shard_dims=models.fsdp_dims)
+def run_optimizer(cfg: TrainConfig) -> Built:
+  """The optimizer a training run steps with, built once by the trainer's setup (and by the
+  study, once per group of cells) from the typed sections: weight decay under
+  ``model.wd_policy``, embeddings through ``sparse_filter``, Shampoo's blocks ordered by the
+  model's FSDP dims. Every argument is a function of the parameters, so the config alone
+  builds it. A value ``scaleopt.optim`` refuses is a ConfigError."""
+  wd_policy = cfg.model.wd_policy
+  try:
+    return build_optimizer(cfg.optimizer,
+                           wd_mask=lambda p: models.weight_decay_mask(p, wd_policy),
+                           sparse_filter=sparse_filter, shard_dims=models.fsdp_dims)
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"config section 'optimizer': {e}") from None
 
 
 def sparse_filter(params: PyTree) -> PyTree:
   """True for embeddings and untied heads (trained without cross-fitting)."""
   return jax.tree_util.tree_map_with_path(lambda p, _: models.is_embedding(p), params)
-
-
-def passes_per_step(spec: CollectorSpec) -> float:
-  """Forward+backward sweeps per step over the step's distinct examples (for MFU); see
-  ``CollectorSpec.passes_per_step``."""
-  return spec.passes_per_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,9 +141,11 @@ class Model:
 
 
 def make_model(spec) -> Model:
-  """The model of a validated ``ModelSpec`` (a raw section mapping is validated first)."""
+  """The model of a validated ``ModelSpec`` (a raw section mapping is validated first; a
+  ``model.init_from`` source's architecture is read where the section leaves it open)."""
   if not isinstance(spec, ModelSpec):
     spec = model_spec(spec)
+  spec = resolve_model(spec)
   cfg = spec.config
   init, apply = models.functional(cfg)
   return Model(cfg=cfg, init=init, apply=apply, loss_apply=models.functional_loss(cfg),

@@ -17,6 +17,10 @@ steps); if none is intact, ``CheckpointError`` names every failure and nothing i
 never deletes. Healthy: ``consec == 0`` (the step's update was applied) and a finite
 parameter norm at most ``GROWTH`` times that of the previous healthy checkpoint (or of the
 initial parameters), so a state that is finite but has blown up is not healthy.
+
+**State format**: the ``data`` item also records ``state_format``, what the state's arrays mean
+beyond their shapes (``state_format``); a restore whose recorded format is not the run's is a
+ConfigError naming the checkpoint (``check_state_format``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+from scaleopt.config import ConfigError
 
 MANIFEST = "manifest.json"
 GROWTH = 10.0  # parameter-norm growth between healthy checkpoints beyond which a state "exploded"
@@ -305,3 +311,37 @@ class Checkpointer:
 def abstract(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       tree, shardings)
+
+
+STATE_FORMAT = "state_format"  # key of the checkpoint's data item that describes the state
+
+
+def state_format(cfg) -> dict:
+  """What a checkpoint's arrays mean beyond their shapes, for a ``TrainConfig``:
+  ``shampoo_blocks``, the order of Shampoo's factor blocks (``major``: by the model's FSDP
+  dims, ``models.fsdp_dims``; ``layers``: stacked layers first, ``optimizer.extra.block_major:
+  layers``). A checkpoint without the record holds the ``layers`` order."""
+  opt = cfg.optimizer
+  if not opt.name.startswith("shampoo"):
+    return {}
+  return {"shampoo_blocks": "layers" if opt.hyperparameters().block_major == "layers"
+          else "major"}
+
+
+def with_state_format(cfg, data_state: dict) -> dict:
+  """The checkpoint's data item: the iterator position and ``state_format``."""
+  return {**data_state, STATE_FORMAT: state_format(cfg)}
+
+
+def check_state_format(cfg, data_state: dict, where: str) -> dict:
+  """The iterator position of a restored data item; ConfigError (one line naming ``where``)
+  when its state format is not this run's."""
+  data_state = dict(data_state)
+  saved = data_state.pop(STATE_FORMAT, {}).get("shampoo_blocks", "layers")
+  want = state_format(cfg).get("shampoo_blocks", "layers")
+  if saved != want:
+    fix = ("set optimizer.extra.block_major: layers" if saved == "layers"
+           else "remove optimizer.extra.block_major")
+    raise ConfigError(f"{where} holds Shampoo factors in the {saved!r} block order and this run "
+                      f"orders them {want!r}; {fix} to resume it")
+  return data_state

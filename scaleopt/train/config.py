@@ -12,8 +12,14 @@ A config file has five sections (every key optional except ``optimizer.name``)::
 the raw mapping, then validates every key and value with the shared schema mechanism of
 ``scaleopt.config`` (one error type, one override parser): run, data and mesh are dataclasses
 here; every model key is typed by ``scaleopt.models.ModelConfig``'s field of that name (then the
-preset and variant are resolved); the optimizer section is checked by building the optimizer
-(pure Python), so every error comes before anything compiles.
+preset and variant are resolved); the optimizer section is typed through the optimizer registry
+and its values checked by ``scaleopt.optim`` (a trial build, dropped), so every error comes
+before anything compiles.
+
+A ``TrainConfig`` is data: parsing reads no file but the config itself and keeps no built
+object. The trainer builds the optimizer and its schedule from the typed sections
+(``bridge.run_optimizer``) and reads a ``model.init_from`` source's architecture when it starts
+(``bridge.with_source_architecture``).
 """
 
 from __future__ import annotations
@@ -33,11 +39,9 @@ if typing.TYPE_CHECKING:
   from scaleopt.optim import OptimizerConfig
 
 from scaleopt.config import (ConfigError, apply_overrides as _apply_overrides, check_keys,
-                             choice, convert, fail, numbers, parse, read_yaml, spec, to_dict,
-                             yaml_error)
+                             choice, convert, fail, parse, read_yaml, spec, to_dict)
 
 WD_POLICIES = ("iwd", "all", "matrices-only")
-_numbers = numbers  # the old private name
 
 
 @dataclasses.dataclass
@@ -94,20 +98,9 @@ class TrainConfig:
   model: "ModelSpec"  # preset + ModelConfig fields + wd_policy, the preset resolved once
   optimizer: "OptimizerConfig"  # typed through the optimizer registry (scaleopt.optim)
   mesh: MeshConfig
-  # the run's optimizer (tx, spec, schedule: bridge.Built), built once from the sections above
-  # when the config is made (nothing is traced); the trainer steps with it. Not recorded.
-  built: Any = dataclasses.field(init=False, repr=False, compare=False)
-
-  def __post_init__(self):
-    from scaleopt.train import bridge
-    try:
-      self.built = bridge.run_optimizer(self.optimizer, self.model.wd_policy)
-    except (ValueError, TypeError) as e:
-      raise ConfigError(f"config section 'optimizer': {e}") from None
 
   def to_dict(self) -> dict:
-    out = {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)
-           if f.name != "built"}
+    out = {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
     return {**out, "model": to_dict(self.model.section)}
 
 
@@ -119,8 +112,8 @@ def _check_optimizer(opt: Any, steps: int) -> dict:
   (``scaleopt.optim.names()``), every other key is typed by ``OptimizerConfig``'s field of that
   name, ``schedule`` by ``ScheduleConfig`` (``total_steps`` defaults to ``run.steps``) and
   ``extra`` by the optimizer's registered config class. Returns the typed ``OptimizerConfig``
-  (every key, with its default where the file sets none); ``TrainConfig`` then builds the
-  optimizer once (pure Python, nothing is traced), which checks the values of ``extra``."""
+  (every key, with its default where the file sets none), whose values ``_check_values``
+  checks."""
   from scaleopt import optim
   from scaleopt.optim.schedules import ScheduleConfig
   if not isinstance(opt, dict):
@@ -140,9 +133,23 @@ def _check_optimizer(opt: Any, steps: int) -> dict:
   kw["extra"] = convert(opt.get("extra") or {}, dict, "optimizer.extra")
   try:
     kw["schedule"] = parse(ScheduleConfig, sched, "optimizer.schedule")
-    return optim.OptimizerConfig(**kw)  # built (values checked) by TrainConfig
+    return _check_values(optim.OptimizerConfig(**kw))
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config section 'optimizer': {e}") from None
+
+
+def _check_values(opt: "OptimizerConfig") -> "OptimizerConfig":
+  """``opt``, after ``scaleopt.optim``'s factories checked its values: they check them when
+  they build, so the chain is built once here (pure Python, nothing is traced) and dropped.
+  Masks and filters only route tensors: an embedding filter that marks nothing stands in for
+  the run's. The trainer builds the run's own chain (``bridge.run_optimizer``)."""
+  import jax
+  import optax
+
+  from scaleopt import optim
+  no_embeddings = lambda params: jax.tree.map(lambda _: False, params)
+  optim.build(opt, sparse_filter=no_embeddings, schedule=optax.constant_schedule(0.0))
+  return opt
 
 
 def _fit_warmup(sched: dict) -> dict:
@@ -176,40 +183,79 @@ class ModelKeys:
   init_from: Optional[str] = None  # parameters to start from (scaleopt.train.convert)
 
 
+MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelKeys))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """The model section, typed: the ``ModelConfig`` its preset, variant and overrides resolve
   to (resolved once, here), the weight-decay policy and the parameter source; ``section`` is
-  the section as written (keys typed, what the run's config.yaml records)."""
-  config: Any  # scaleopt.models.ModelConfig
+  the section as written (keys typed, what the run's config.yaml records).
+
+  ``config`` is None while ``init_from`` names a source and the section leaves architecture
+  fields to it: the source is read when the trainer starts
+  (``bridge.with_source_architecture``), not while parsing."""
+  config: Any  # scaleopt.models.ModelConfig, or None (above)
   wd_policy: str
   init_from: Optional[str]
   section: dict
 
 
+def resolve_model_config(section: dict) -> Any:
+  """The ``ModelConfig`` of a model section (a mapping): ``preset`` (default
+  ``ModelKeys.preset``), optional ``variant`` (a scale-vector variant name) and any
+  ModelConfig field as an override. ValueError on an unknown key or a bad value."""
+  from scaleopt import models
+  fields = {f.name for f in dataclasses.fields(models.ModelConfig)}
+  bad = [k for k in section if k not in fields and k not in MODEL_KEYS]
+  if bad:
+    raise ValueError(f"unknown key 'model.{bad[0]}'; allowed: {sorted(MODEL_KEYS)} and the "
+                     f"ModelConfig fields {sorted(fields)}")
+  cfg = models.get_preset(section.get("preset", ModelKeys.preset))
+  if section.get("variant") is not None:
+    cfg = cfg.with_variant(section["variant"])
+  over = {k: v for k, v in section.items() if k in fields}
+  if "dual_targets" in over and isinstance(over["dual_targets"], list):
+    over["dual_targets"] = tuple(over["dual_targets"])
+  return dataclasses.replace(cfg, **over) if over else cfg
+
+
+def architecture_fields() -> list[str]:
+  """The ModelConfig fields that make the parameters and the function (all but
+  ``FREE_FIELDS``): those a ``model.init_from`` source fixes."""
+  from scaleopt import models
+  return [f.name for f in dataclasses.fields(models.ModelConfig) if f.name not in FREE_FIELDS]
+
+
+# ModelConfig fields that change numerics or speed but not the function or the parameters
+FREE_FIELDS = ("dtype", "remat", "scan_unroll", "attention_impl", "max_seq_len",
+               "logits_dot_in_fp32", "fused_loss", "loss_chunks", "loss_kernel", "norm_kernel",
+               "init_std", "moe_capacity_factor", "moe_lb_weight", "moe_z_weight")
+
+
 def model_spec(model: Any) -> ModelSpec:
   """Every key typed (ModelKeys, else the ModelConfig field of that name), then the preset,
-  variant and overrides resolved by ``bridge.model_config`` (which checks their values)."""
+  variant and overrides resolved by ``resolve_model_config`` (which checks their values);
+  left unresolved while a ``model.init_from`` source is to give architecture fields."""
   from scaleopt import models
   if not isinstance(model, dict):
     raise fail("model", model, "expected a mapping of keys")
   fields = {f.name: f for f in dataclasses.fields(models.ModelConfig)}
   own = {f.name for f in dataclasses.fields(ModelKeys)}
   check_keys(model, sorted(own | set(fields)), "model")
-  if isinstance(model.get("init_from"), str):  # the architecture of the source
-    from scaleopt.train.convert import with_architecture
-    model = with_architecture(model)
   hints = typing.get_type_hints(models.ModelConfig)
   out = to_dict(parse(ModelKeys, {k: v for k, v in model.items() if k in own}, "model"))
   out = {k: v for k, v in out.items() if k in model}
   typed = {k: convert(v, hints[k], f"model.{k}") for k, v in model.items() if k not in own}
   out.update({k: list(v) if isinstance(v, tuple) else v for k, v in typed.items()})
-  from scaleopt.train.bridge import model_config
-  try:
-    resolved = model_config(out)
-  except (ValueError, TypeError) as e:
-    raise ConfigError(f"config section 'model': {e}") from None
   keys = {**to_dict(ModelKeys()), **out}
+  resolved = None
+  if not (isinstance(keys["init_from"], str)
+          and any(f not in out for f in architecture_fields())):
+    try:
+      resolved = resolve_model_config(out)
+    except (ValueError, TypeError) as e:
+      raise ConfigError(f"config section 'model': {e}") from None
   return ModelSpec(resolved, keys["wd_policy"], keys["init_from"], {k: out[k] for k in model})
 
 

@@ -36,14 +36,10 @@ import numpy as np
 from scaleopt import models
 from scaleopt.models import hf
 from scaleopt.train import config as config_lib
-from scaleopt.train.config import ConfigError
+from scaleopt.train.config import ConfigError, architecture_fields
 
 HF_EXTRAS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "vocab.json", "merges.txt")
-# ModelConfig fields that change numerics or speed but not the function or the parameters.
-_FREE = ("dtype", "remat", "scan_unroll", "attention_impl", "max_seq_len", "logits_dot_in_fp32",
-         "fused_loss", "loss_chunks", "loss_kernel", "norm_kernel", "init_std",
-         "moe_capacity_factor", "moe_lb_weight", "moe_z_weight")
 
 
 class SourceError(ConfigError):
@@ -63,6 +59,8 @@ def _run_source(ckpt: pathlib.Path, run_dir: pathlib.Path) -> Source:
   """A checkpoint of a run: the model from the run's config.yaml; config.json and tokenizer
   files from its ``model.init_from`` when that was a Hugging Face or converted directory."""
   model = config_lib.saved_section(run_dir, "model")  # the recorded section names every field
+  if model.config is None:  # a section that left fields to its own source
+    model = config_lib.model_spec(with_architecture(model.section))
   hf_dir = None
   if model.init_from:
     try:
@@ -136,11 +134,6 @@ def read_params(src: Source) -> dict:
     raise
   except (ValueError, KeyError, OSError) as e:
     raise SourceError(f"parameters of {str(src.path)!r} cannot be read: {e}") from None
-
-
-def architecture_fields() -> list[str]:
-  """The ModelConfig fields that make the parameters and the function (all but ``_FREE``)."""
-  return [f.name for f in dataclasses.fields(models.ModelConfig) if f.name not in _FREE]
 
 
 def with_architecture(section: dict) -> dict:

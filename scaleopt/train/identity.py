@@ -13,7 +13,7 @@ holding the hash of its tokens). ``check(out, now)`` compares the contents -- ev
 hash and size, the tokenizer's hash -- with the record of a run being resumed, and refuses a
 difference in one line naming the first file that changed; the folder may have moved (the
 paths are kept for the reader, not compared). Hashing reads every shard once (SHA-256, the
-files in parallel threads: about 1 s per GB per core). Shards on a URL are recorded by size
+files in parallel threads). Shards on a URL are recorded by size
 and the file system's key of each file (``fs.ukey``: ETag, generation or modification time)
 instead of a hash of their contents.
 """

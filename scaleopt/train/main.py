@@ -17,7 +17,7 @@ def train_main(config_path: str, out_dir: str, overrides: list[str] | None = Non
   ``dry_run``: make every check a run makes before its first step, trace the step, write
   nothing.
   """
-  from scaleopt.train import checkpoint, faults, loop, runfolder
+  from scaleopt.train import bridge, checkpoint, faults, loop, preflight, runfolder
   try:
     cfg = load_config(config_path, overrides or [])
     runfolder.check_local(out_dir)
@@ -28,7 +28,8 @@ def train_main(config_path: str, out_dir: str, overrides: list[str] | None = Non
 
     from scaleopt.train.mesh import maybe_initialize_distributed
     maybe_initialize_distributed(cfg.mesh.distributed)  # the processes compare their --out
-    loop.check_out_dir(cfg, out_dir, resume)  # a usable folder before the lock creates it
+    cfg = bridge.with_source_architecture(cfg)  # a model.init_from source is read now
+    preflight.check_out_dir(cfg, out_dir, resume)  # a usable folder before the lock creates it
     with runfolder.claim(out_dir, process_index=jax.process_index()):
       summary = loop.train(cfg, out_dir, resume=resume)
   except (ConfigError, DataError, checkpoint.CheckpointError) as e:

@@ -302,3 +302,8 @@ def in_memory_of(fn: Callable, args: tuple, shardings: Any) -> Any:
     raise ValueError(f"in_memory_of: {len(leaves)} shardings for {len(host)} outputs")
   return treedef.unflatten([s.with_memory_kind("pinned_host") if h else s
                             for s, h in zip(leaves, host)])
+
+
+def put_global(sharding, local: np.ndarray, global_shape: tuple) -> jax.Array:
+  """One global array from each process's rows ``local`` (its part of ``global_shape``)."""
+  return jax.make_array_from_process_local_data(sharding, local, global_shape)

@@ -26,11 +26,14 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import sys
 from typing import Any, Callable, Iterable
 
 import jax
+import numpy as np
 
 from scaleopt.optim import phases
+from scaleopt.train import checkpoint, faults
 
 _AHEAD = 4096  # at most this many steps are scanned for the outcomes to compile ahead
 
@@ -80,11 +83,9 @@ class PhasedStep:
     """Compiles the programs of ``keys`` now, one after another (abstract arguments with
     shardings), for their memory analysis (``side_by_side_bytes``).
 
-    The steps run through the jitted functions: on an H200 (jax 0.11.2) the ahead-of-time
-    executables of ``adamw_bc``'s step with cuDNN attention failed at their first run while
-    loading their cuDNN graphs ("capturing stream has unjoined work"), and the jitted calls
-    ran. (On CPU, jax 0.10, a jitted call reuses the ahead-of-time executable in memory; whether
-    it compiled again on the H200 was not logged.)"""
+    The steps run through the jitted functions, not these ahead-of-time executables: an
+    executable whose step holds cuDNN attention may fail at its first run while it loads its
+    cuDNN graphs, where the jitted call runs."""
     for k in dict.fromkeys(keys):
       if k not in self._compiled:
         self._compiled[k] = self._program(k).lower(state_arg, batch_arg).compile()
@@ -161,3 +162,29 @@ class OneProgram:
 
   def confirm(self, skipped: bool) -> None:
     del skipped
+
+
+def make_stepper(fns, state, step0: int, steps: int, abstract_batch):
+  """``step(state, batch) -> (state, metrics)`` with ``step.confirm(skipped)``, called with
+  each step's skip flag in order: the one-program step of ``fns`` (``loop.Compiled``), or,
+  where ``fns.phased`` holds host-picked programs, a ``Dispatcher`` over them with the programs
+  of steps ``step0..steps`` compiled now. Falls back to the one program (with a note) when
+  those programs do not fit a device's memory pool side by side."""
+  if fns.phased is None or not fns.phased.schedules:
+    return OneProgram(fns.train_step)
+  count0 = step0 - int(jax.device_get(state.skipped))  # the optimizer's applied updates
+  fns.phased.compile(fns.phased.keys_ahead(step0, count0, steps),
+                     checkpoint.abstract(fns.state_shape, fns.state_sh), abstract_batch)
+  need = fns.phased.side_by_side_bytes()
+  limit = faults.pool_bytes()
+  fits = not (limit and need > 0.97 * limit)
+  if jax.process_count() > 1:  # every process runs the same programs
+    from jax.experimental import multihost_utils
+    fits = bool(np.all(multihost_utils.process_allgather(np.array(fits))))
+  if fits:
+    return Dispatcher(fns.phased, step0, count0)
+  if jax.process_index() == 0:
+    print(f"run.host_phases: the {fns.phased.programs} step programs need "
+          f"{need / 2**30:.1f} GiB per device side by side, more than a device's memory "
+          f"pool holds; running one program with device branches", file=sys.stderr)
+  return OneProgram(fns.train_step)

@@ -192,7 +192,7 @@ def test_init_from_takes_the_architecture_from_the_source(tmp_path):
   assert got.dtype == "float32"  # a setting that does not change the parameters stays
   convert.check_matches(convert.open_source(src), got)
   # the recorded config names the whole architecture: it loads without the source
-  C.dump_config(cfg, tmp_path / "config.yaml")
+  C.dump_config(bridge.with_source_architecture(cfg), tmp_path / "config.yaml")
   saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
   saved["model"]["init_from"] = str(tmp_path / "gone")
   assert bridge.model_config(C.from_dict(saved).model) == got

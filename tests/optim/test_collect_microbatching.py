@@ -28,7 +28,6 @@ import pytest
 import scaleopt.optim as so
 from scaleopt.optim.collect import CollectorSpec
 from scaleopt.study import engines
-from scaleopt.train import bridge
 
 M = 8
 
@@ -254,7 +253,6 @@ def test_options_set_the_spec_and_the_sweep_accounting():
   assert spec(loo_passes=2).passes_per_step == 2.0 and not spec(loo_passes=2).loo_one_pass
   assert spec(vmap_microbatches=True).passes_per_step == 1.0 and spec(vmap_microbatches=True).vmap
   assert spec(mode="full", crossfit="ab", vmap_microbatches=True).passes_per_step == 1.0
-  assert bridge.passes_per_step(spec(loo_passes=1)) == 1.0
 
   class Data:
     batch_size = 16

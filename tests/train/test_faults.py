@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from scaleopt import cli
-from scaleopt.train import checkpoint, config as C, data as D, faults, loop, metrics
+from scaleopt.train import checkpoint, config as C, data as D, faults, loop, metrics, preflight
 
 from train_helpers import reference_run, tiny_raw
 
@@ -289,10 +289,10 @@ def test_resume_without_checkpoints_may_change_anything(ref, tmp_path):
   run.mkdir()
   shutil.copy(ref[1] / "config.yaml", run / "config.yaml")  # killed before its first save
   cfg = C.from_dict(tiny_raw(run={"seed": 5}))
-  assert loop.check_out_dir(cfg, run, resume=True) == {}
+  assert preflight.check_out_dir(cfg, run, resume=True) == {}
   (run / "checkpoints" / "4").mkdir(parents=True)
   with pytest.raises(C.ConfigError, match="run.seed"):
-    loop.check_out_dir(cfg, run, resume=True)
+    preflight.check_out_dir(cfg, run, resume=True)
 
 
 @pytest.mark.integration  # a training run: the second tier

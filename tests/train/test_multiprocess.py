@@ -192,7 +192,7 @@ def test_two_processes_match_one_preempt_together_and_resume(tmp_path, monkeypat
   single, ref_reads = _single_process(tmp_path, monkeypatch, stop + 3, n_train)
   _assert_same_run(metrics.read_metrics(run / "metrics.jsonl"), single, stop + 3)
   # Each process read only its rows: half of every batch each, together the reference's.
-  # The preempted run had made up to 3 batches ahead (``loop.Prefetch``: 2 queued, 1 in
+  # The preempted run had made up to 3 batches ahead (``prefetch.Prefetch``: 2 queued, 1 in
   # hand) that it did not train on; the resumed run reads them again from the checkpoint's
   # position and, ending at run.steps, makes none ahead.
   per = []

@@ -115,8 +115,8 @@ def test_programs_that_do_not_fit_side_by_side_fall_back_to_one(monkeypatch, cap
   raw["optimizer"] = {"name": "adamw"}  # telemetry's two programs
   s = loop.setup(C.from_dict(raw))
   fns = loop.compile_fns(s)
-  state = fns.init()
-  assert isinstance(loop._stepper(s, fns, state, 0), phased.Dispatcher)  # CPU: no pool limit
+  state, batch = fns.init(), loop.abstract_batch(s, fns.batch_sh)
+  assert isinstance(phased.make_stepper(fns, state, 0, s.cfg.run.steps, batch), phased.Dispatcher)  # CPU: no pool limit
   monkeypatch.setattr(faults, "pool_bytes", lambda: 2 ** 20)  # 1 MiB per device
-  assert isinstance(loop._stepper(s, fns, state, 0), phased.OneProgram)
+  assert isinstance(phased.make_stepper(fns, state, 0, s.cfg.run.steps, batch), phased.OneProgram)
   assert "running one program with device branches" in capsys.readouterr().err

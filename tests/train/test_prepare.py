@@ -12,6 +12,7 @@ import pytest
 
 from scaleopt.train import data as D
 from scaleopt.train import prepare as P
+from scaleopt.train import tokenizers
 from train_helpers import heldout
 
 tk = pytest.importorskip("tokenizers")
@@ -126,7 +127,7 @@ def test_every_format_gives_exactly_the_documents_tokens(tmp_path, spec):
 
 def test_text_folder_with_compressed_files_and_long_files_in_pieces(tmp_path, monkeypatch):
   """A long text file is read in pieces; the byte-level BPE still gives the whole file's ids."""
-  monkeypatch.setattr(P, "PIECE_BYTES", 200)
+  monkeypatch.setattr(P.readers, "PIECE_BYTES", 200)
   zstd = pytest.importorskip("zstandard")
   docs = _docs(60, seed=1)
   path, ref = _bpe_file(tmp_path, docs)
@@ -151,7 +152,7 @@ def test_text_folder_with_compressed_files_and_long_files_in_pieces(tmp_path, mo
     want = [t for rel in sorted(texts) if heldout(rel, 0.2) == (split == "val")
             for t in ref.encode(texts[rel], add_special_tokens=False).ids + [sep]]
     np.testing.assert_array_equal(_ids(out, split), want)
-  assert max(len(t) for t in texts.values()) > 5 * P.PIECE_BYTES  # many pieces per file
+  assert max(len(t) for t in texts.values()) > 5 * P.readers.PIECE_BYTES  # many pieces per file
 
 
 def test_document_split_fraction_is_by_document_hash(tmp_path):
@@ -203,8 +204,8 @@ def _peak_bytes(fn) -> int:
 
 @pytest.mark.parametrize("fmt", ["text", "jsonl.gz"])
 def test_memory_stays_far_below_the_file_size(tmp_path, monkeypatch, fmt):
-  monkeypatch.setattr(P, "PIECE_BYTES", 64 << 10)
-  monkeypatch.setattr(P, "BATCH_BYTES", 256 << 10)
+  monkeypatch.setattr(P.readers, "PIECE_BYTES", 64 << 10)
+  monkeypatch.setattr(P.tokenize, "BATCH_BYTES", 256 << 10)
   line = ("word " * 30 + "\n").encode()
   size = 24 << 20
   if fmt == "text":
@@ -234,7 +235,7 @@ def test_an_interrupted_prepare_continues_and_writes_the_same_shards(tmp_path, m
   _write_jsonl(inp / "c.jsonl", docs[300:])
   ref = tmp_path / "ref"
   D.prepare(inp, ref, "bytes", shard_tokens=2000)
-  saves, real_save = [], P._save_state
+  saves, real_save = [], P.restart.save_state
 
   def save_then_die(*a):
     real_save(*a)
@@ -242,14 +243,14 @@ def test_an_interrupted_prepare_continues_and_writes_the_same_shards(tmp_path, m
     if len(saves) == 15:
       raise KeyboardInterrupt
 
-  monkeypatch.setattr(P, "_save_state", save_then_die)
+  monkeypatch.setattr(P.restart, "save_state", save_then_die)
   out = tmp_path / "o"
   with pytest.raises(KeyboardInterrupt):
     D.prepare(inp, out, "bytes", shard_tokens=2000)
   (out / "train_015.bin").write_bytes(b"partial")  # a shard the killed run was writing
-  monkeypatch.setattr(P, "_save_state", real_save)
-  encoded, real_encode = [], P.tokenizers.Tokenizer.encode_docs
-  monkeypatch.setattr(P.tokenizers.Tokenizer, "encode_docs",
+  monkeypatch.setattr(P.restart, "save_state", real_save)
+  encoded, real_encode = [], tokenizers.Tokenizer.encode_docs
+  monkeypatch.setattr(tokenizers.Tokenizer, "encode_docs",
                       lambda self, d, **k: (encoded.extend(d), real_encode(self, d, **k))[1])
   D.prepare(inp, out, "bytes", shard_tokens=2000)
   assert not (out / ".prepare").exists()
@@ -298,8 +299,8 @@ def test_ctrl_c_keeps_the_restart_point_and_says_how_to_continue(tmp_path, monke
   def die(*a):
     raise KeyboardInterrupt
 
-  real_save = P._save_state
-  monkeypatch.setattr(P, "_save_state", lambda *a: (real_save(*a), die()))
+  real_save = P.restart.save_state
+  monkeypatch.setattr(P.restart, "save_state", lambda *a: (real_save(*a), die()))
   out = tmp_path / "o"
   assert D.prepare_main(str(inp), str(out), "bytes", shard_tokens=1000) == 130
   assert "run the same command again" in capsys.readouterr().err

@@ -166,7 +166,7 @@ def test_batches_made_ahead_keep_order_position_and_errors():
   """The trainer's background batches: handed out in order, ``state()`` the position after the
   batches handed out (not after those made ahead), an iterator error raised by the ``next()``
   that reaches it, never earlier; ``close()`` returns while the thread waits on a full queue."""
-  from scaleopt.train.loop import Prefetch
+  from scaleopt.train.prefetch import Prefetch
   rows = _Rows(fail_at=3)
   feed = Prefetch(rows, lambda b: b, count=10)
   assert feed.state() == {"chunk": 0}

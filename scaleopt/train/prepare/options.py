@@ -1,0 +1,21 @@
+"""The options of ``scaleopt data prepare`` (its command-line flags)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """``text_field``: the JSONL field / Parquet and Arrow column; ``val_fraction``: held-out
+  share of documents; ``shard_tokens``: training tokens per shard; ``include``: glob patterns
+  of file names to read in a folder (all when empty); ``bpe_sample_mb``: text a ``bpe:VOCAB``
+  tokenizer is trained on (all the training text when None); ``progress``: a line on stderr
+  every few seconds."""
+  text_field: str = "text"
+  val_fraction: float = 0.05
+  shard_tokens: int = 1 << 28
+  include: tuple = ()
+  bpe_sample_mb: Optional[float] = None
+  progress: bool = False
