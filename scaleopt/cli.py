@@ -104,7 +104,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
   return prepare_main(args.input, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
                       val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
                       include=tuple(args.include), bpe_sample_mb=args.bpe_sample_mb,
-                      progress=not args.quiet) or 0
+                      progress=not args.quiet, dedup=args.dedup) or 0
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
   dp.add_argument("--bpe-sample-mb", type=float, default=None,
                   help="train bpe:VOCAB on about this much training text, sampled across the "
                   "inputs (default: all of it)")
+  dp.add_argument("--dedup", nargs="?", type=float, const=0.8, default=None, metavar="SHARE",
+                  help="keep near-duplicate documents (sharing >= SHARE of their lines, default "
+                  "0.8) on one side of the split (MinHash LSH; needs datasketch)")
   dp.add_argument("--quiet", action="store_true", help="no progress lines")
   dp.add_argument("--tokenizer", default="bytes",
                   help="bytes | bpe:VOCAB_SIZE (train a byte-level BPE on the training split) | "

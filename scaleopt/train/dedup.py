@@ -228,14 +228,15 @@ class Documents:
 
   @classmethod
   def read(cls, pieces: Iterable[tuple[bytes, bytes]]) -> "Documents":
-    """From (key, text) pieces; pieces of one key are one document."""
+    """From (key, text) pieces; pieces of one key (of one key digest) are one document."""
     index: dict = {}
     digests, parts, nbytes = [], [], []
     for key, text in pieces:
-      i = index.get(key)
+      d = key_digest(key)
+      i = index.get(d)
       if i is None:
-        i = index[key] = len(digests)
-        digests.append(key_digest(key))
+        i = index[d] = len(digests)
+        digests.append(d)
         parts.append([])
         nbytes.append(0)
       parts[i].append(line_set(text))

@@ -188,3 +188,61 @@ def test_group_and_leak_thresholds_at_their_boundaries():
   sets = [D.line_set(t) for t in texts[:4]]
   assert D.contained_in_training(sets, [False, True, False, True], 0.8).tolist() == [
       False, True, False, False]
+
+
+# ---------------------------------------------------------------------------------------------
+# scaleopt data prepare --dedup, end to end: the leak measured on the shards it writes.
+
+
+def _shard_docs(out, split):
+  """The documents of a split, decoded from its byte-token shards (separator 0)."""
+  from scaleopt.train import data
+  arrays, _ = data.load_shards(out, split)
+  raw = b"".join(bytes(np.asarray(a, np.uint8)) for a in arrays)
+  return [d.decode() for d in raw.split(b"\0") if d]
+
+
+def _prepare(src, out, *extra):
+  from scaleopt import cli
+  return cli.main(["data", "prepare", "--input", str(src), "--out", str(out), "--tokenizer",
+                   "bytes", "--val-fraction", "0.3", "--quiet", *extra])
+
+
+def test_data_prepare_dedup_keeps_near_copies_on_one_side(tmp_path):
+  import json
+  texts, family = _corpus(seed=7, families=30, excerpts=0)
+  src = tmp_path / "src"
+  src.mkdir()
+  for i, t in enumerate(texts):  # a folder of files: the key is the path, not the text
+    (src / f"doc{i:03d}.py").write_text(t)
+  leak, manifests = {}, {}
+  for name, extra in (("plain", ()), ("dedup", ("--dedup",))):
+    out = tmp_path / name
+    assert _prepare(src, out, *extra) == 0
+    manifests[name] = json.loads((out / "manifest.json").read_text())
+    val, train = _shard_docs(out, "val"), _shard_docs(out, "train")
+    assert sorted(val + train) == sorted(texts)  # every document once, whole
+    train_sets = [_lines(t) for t in train]
+    leaked = [t for t in val if any(len(_lines(t) & b) >= 0.8 * len(_lines(t))
+                                    for b in train_sets)]
+    leak[name] = sum(len(t.encode()) for t in leaked) / sum(len(t.encode()) for t in val)
+  assert leak["plain"] > 0.1 and leak["dedup"] == 0.0, leak
+  rec = manifests["dedup"]["dedup"]
+  assert rec["threshold"] == 0.8 and rec["grouped_documents"] == sum(x != -1 for x in family)
+  assert "dedup" not in manifests["plain"]
+  assert manifests["dedup"]["content_hash"] != manifests["plain"]["content_hash"]
+
+
+@pytest.mark.parametrize("flag", ["0", "1.5"])
+def test_data_prepare_bad_dedup_share_is_one_line(tmp_path, capsys, flag):
+  (tmp_path / "a.txt").write_text("x\n")
+  (tmp_path / "b.txt").write_text("y\n")
+  assert _prepare(tmp_path, tmp_path / "out", "--dedup", flag) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "--dedup" in err[0] and not (tmp_path / "out").exists()
+
+
+def test_data_prepare_dedup_refuses_a_lone_text_file(tmp_path, capsys):
+  (tmp_path / "a.txt").write_text("x\n" * 10)
+  assert _prepare(tmp_path / "a.txt", tmp_path / "out", "--dedup") == 2
+  assert "one text file" in capsys.readouterr().err

@@ -12,10 +12,12 @@ class Options:
   share of documents; ``shard_tokens``: training tokens per shard; ``include``: glob patterns
   of file names to read in a folder (all when empty); ``bpe_sample_mb``: text a ``bpe:VOCAB``
   tokenizer is trained on (all the training text when None); ``progress``: a line on stderr
-  every few seconds."""
+  every few seconds; ``dedup``: near-duplicate documents (sharing at least this share of their
+  lines, ``scaleopt.train.dedup``) go to one side of the split together (None: off)."""
   text_field: str = "text"
   val_fraction: float = 0.05
   shard_tokens: int = 1 << 28
   include: tuple = ()
   bpe_sample_mb: Optional[float] = None
   progress: bool = False
+  dedup: Optional[float] = None

@@ -31,7 +31,7 @@ def fingerprint(files: list, tokenizer: str, opts: Options) -> dict:
   st = [(rel, p.stat().st_size, p.stat().st_mtime_ns) for rel, p in files]
   return {"files": st, "tokenizer": tokenizer, "text_field": opts.text_field,
           "val_fraction": opts.val_fraction, "shard_tokens": opts.shard_tokens,
-          "bpe_sample_mb": opts.bpe_sample_mb}
+          "bpe_sample_mb": opts.bpe_sample_mb, "dedup": opts.dedup}
 
 
 def load_state(out: pathlib.Path, fp: dict) -> Optional[dict]:
