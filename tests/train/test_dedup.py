@@ -86,8 +86,8 @@ def _brute_groups(texts, threshold, jaccard):
 
 def test_groups_match_brute_force_and_the_planted_families():
   texts, family = _corpus()
-  brute, sets = _brute_groups(texts, 0.8, 0.5)
-  g = D.groups([D.line_set(t) for t in texts], threshold=0.8, jaccard=0.5)
+  brute, sets = _brute_groups(texts, D.THRESHOLD, D.JACCARD)
+  g = D.groups([D.line_set(t) for t in texts])
   assert g.rep.tolist() == brute  # every near-duplicate pair found, nothing else joined
   for f in set(family) - {-1}:  # each planted family is one group, led by its first member
     idx = [i for i, x in enumerate(family) if x == f]
@@ -170,9 +170,9 @@ def test_split_by_group_keeps_near_copies_together_and_removes_the_leak():
 
 
 def test_group_and_leak_thresholds_at_their_boundaries():
-  """Exactly 80% of the smaller's lines shared joins, 78% does not; Jaccard exactly 0.5 joins,
-  40/81 does not; a held-out document sharing exactly 80% of its lines leaks even when its
-  other lines are the rarest (the prefix filter's length)."""
+  """Exactly 80% of the smaller's lines shared joins, 78% does not; Jaccard exactly 0.4 joins,
+  40/101 does not (the exact check, on every pair); a held-out document sharing exactly 80% of
+  its lines leaks even when its other lines are the rarest (the prefix filter's length)."""
   def doc(tag, n):
     return [f"{tag} line {k}" for k in range(n)]
   base = doc("base", 50)
@@ -181,12 +181,14 @@ def test_group_and_leak_thresholds_at_their_boundaries():
   texts = ["\n".join(x) for x in (
       base, base[:40] + doc("new1", 10),  # 40 of 50 shared: joined
       other, other[:39] + doc("new2", 11),  # 39 of 50: not joined
-      long40, long40 + doc("more", 40),  # 40 of 40, Jaccard 40/80: joined
-      doc("sub2", 40), doc("sub2", 40) + doc("more2", 41))]  # Jaccard 40/81: not joined
-  g = D.groups([D.line_set(t) for t in texts], threshold=0.8, jaccard=0.5)
+      long40, long40 + doc("more", 60),  # 40 of 40, Jaccard 40/100: joined
+      doc("sub2", 40), doc("sub2", 40) + doc("more2", 61))]  # Jaccard 40/101: not joined
+  sets = [D.line_set(t) for t in texts]
+  every = set(itertools.combinations(range(len(texts)), 2))
+  g = D.groups(sets, threshold=0.8, jaccard=0.4, pairs=every)
   assert g.rep.tolist() == [0, 0, 2, 3, 4, 4, 6, 7]
-  sets = [D.line_set(t) for t in texts[:4]]
-  assert D.contained_in_training(sets, [False, True, False, True], 0.8).tolist() == [
+  assert D.groups(sets, threshold=0.8, jaccard=0.4).rep.tolist()[:4] == [0, 0, 2, 3]  # LSH
+  assert D.contained_in_training(sets[:4], [False, True, False, True], 0.8).tolist() == [
       False, True, False, False]
 
 
