@@ -108,8 +108,9 @@ def plan(st: Study, out: pathlib.Path) -> list[Cell]:
       best = report.best_lr(st, rows, cond)
       if best is not None:
         todo += [c for c in st.best_lr_cells(cond[0], cond[1], best) if c.id not in done]
-    todo += [c for c in seedplan.sequential_cells(st, report.analyse(st, rows))
-             if c.id not in done]
+    if st.sequential:
+      todo += [c for c in seedplan.sequential_cells(st, report.analyse(st, rows))
+               if c.id not in done]
   once: dict = {}
   for c in todo:  # a cell wanted by two stages runs once, under the first
     once.setdefault(c.id, c)
