@@ -248,3 +248,24 @@ def test_data_prepare_dedup_refuses_a_lone_text_file(tmp_path, capsys):
   (tmp_path / "a.txt").write_text("x\n" * 10)
   assert _prepare(tmp_path / "a.txt", tmp_path / "out", "--dedup") == 2
   assert "one text file" in capsys.readouterr().err
+
+
+def test_offline_corpus_recipe_passes_dedup(tmp_path):
+  import json
+  import subprocess
+  import sys
+  root = __import__("pathlib").Path(__file__).resolve().parents[2]
+  texts, _ = _corpus(seed=9, families=12, excerpts=0)
+  src = tmp_path / "site"
+  src.mkdir()
+  for i, t in enumerate(texts):
+    (src / f"m{i:03d}.py").write_text(t)
+  r = subprocess.run(
+      [sys.executable, str(root / "scripts" / "offline_corpus.py"), "--out", str(tmp_path / "c"),
+       "--roots", str(src), "--vocab", "300", "--bpe-sample-mb", "0.05", "--val-fraction", "0.3",
+       "--min-tokens", "1000", "--min-vocab", "256", "--work", str(tmp_path), "--dedup", "0.9"],
+      capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
+                                                        "PYTHONPATH": str(root)})
+  assert r.returncode == 0, r.stderr
+  rec = json.loads((tmp_path / "c" / "manifest.json").read_text())["dedup"]
+  assert rec["threshold"] == 0.9 and rec["documents"] == len(set(texts))  # exact copies: once
