@@ -193,3 +193,23 @@ def test_sequential_config_error_is_one_line_exit_2(tmp_path, capsys):
                  "--set", "sequential.max_seeds=4"])
   err = capsys.readouterr().err.strip().splitlines()
   assert rc == 2 and len(err) == 1 and "sequential" in err[0], err
+
+
+@pytest.mark.integration  # trains: the runner's loop adds the sequential seeds and stops
+def test_sequential_study_runs_tiny_to_the_cap(tmp_path, capsys):
+  out = tmp_path / "study"
+  sets = ["run.steps=4", "run.eval_every=0", "run.checkpoint_every=0", "run.log_every=2",
+          "learning_rates=[1e-2]", "arms.adamw_bc.learning_rates=[1e-2]",
+          'contrasts=[["adamw_bc", "adamw", "the correction"]]',
+          "target_half_width=1e-6", "sequential.max_seeds=3"]
+  args = ["study", "--config", str(BC_TINY), "--out", str(out)]
+  for s in sets:
+    args += ["--set", s]
+  assert cli.main(args) == 0
+  assert "6 cell(s) trained now, 0 left" in capsys.readouterr().out
+  rows = store.rows(out)
+  assert sorted((r["arm"], r["seed"], r["stage"]) for r in rows) == sorted(
+      [(a, s, 1) for a in ("adamw", "adamw_bc") for s in (0, 1)]
+      + [(a, 2, 3) for a in ("adamw", "adamw_bc")])
+  summary = (out / "summary.md").read_text()
+  assert "6 of 6 planned cells finished" in summary and "up to 3 per arm" in summary
