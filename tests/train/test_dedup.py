@@ -269,3 +269,27 @@ def test_offline_corpus_recipe_passes_dedup(tmp_path):
   assert r.returncode == 0, r.stderr
   rec = json.loads((tmp_path / "c" / "manifest.json").read_text())["dedup"]
   assert rec["threshold"] == 0.9 and rec["documents"] == len(set(texts))  # exact copies: once
+
+
+def test_leakage_script_prints_both_splits(tmp_path, capsys):
+  import importlib.util
+  import pathlib
+  root = pathlib.Path(__file__).resolve().parents[2]
+  spec = importlib.util.spec_from_file_location("dedup_leakage",
+                                                root / "scripts" / "dedup_leakage.py")
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  texts, _ = _corpus(seed=11, families=20, excerpts=0)
+  for i, t in enumerate(texts):
+    (tmp_path / f"d{i:03d}.py").write_text(t)
+  assert script.main(["--input", str(tmp_path), "--val-fraction", "0.3"]) == 0
+  rows = [ln.split("|") for ln in capsys.readouterr().out.splitlines() if ln.startswith(
+      f"| {tmp_path} |")]
+  sets = [D.line_set(t) for t in texts]  # the keys of a folder's files are their paths
+  digests = [D.key_digest(f"d{i:03d}.py".encode()) for i in range(len(texts))]
+  want = [D.summarize(sets, [len(t.encode()) for t in texts], digests, 0.3, rep)
+          for rep in (None, D.groups(sets).rep)]
+  assert len(rows) == 2 and want[0]["bytes_at_0.8"] > 0 and want[1]["bytes_at_0.8"] == 0
+  for row, w in zip(rows, want):
+    assert row[5].strip() == f"{100 * w['bytes_at_0.8']:.2f}%"
+    assert row[6].strip() == f"{100 * w['bytes_at_0.5']:.2f}%"
