@@ -4,12 +4,13 @@ their lines with one training document, and the share of held-out lines found in
 (``scaleopt.train.dedup.leakage``, exact).
 
   PYTHONPATH=. python scripts/dedup_leakage.py --input CORPUS [--val-fraction 0.01]
-  PYTHONPATH=. python scripts/dedup_leakage.py --offline [--roots DIR ...]   # the offline
-                                                 # corpus recipe's sources (scripts/offline_corpus.py)
+  PYTHONPATH=. python scripts/dedup_leakage.py --offline [--roots DIR ...]
 
-The documents and their keys are read by data prepare's own readers and the split is its
-rule (``scaleopt.train.prepare.split``), per document and per near-duplicate group; nothing is
-tokenized. Prints one Markdown table row per split and the groups found.
+(``--offline``: the offline corpus recipe's sources, ``scripts/offline_corpus.py``.) The
+documents and their keys are read by data prepare's own readers and split by its rule: each
+document by its key digest, or, as ``--dedup`` does (``scaleopt.train.dedup.split_by_group``),
+by its near-duplicate group's first document's; nothing is tokenized. Prints one Markdown
+table row per split and the groups found.
 """
 
 from __future__ import annotations
