@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 from typing import Optional
 
@@ -66,33 +65,35 @@ def _result(cfg, spec, summ: dict, status: str, val: float, test: float, engine:
           "val_set": summ.get("eval_set"), "test_set": summ.get("test_set")}
 
 
-def _heldout_losses(s: loop.Setup, fns: loop.Compiled, params) -> dict:
-  sets = data.heldout_eval_sets(s.val_w, s.cfg.run.eval_tokens)
-  return {p: evaluation.make_evaluate(s.cfg, fns, ev, False)(params) for p, ev in sets.items()}
+def _heldout_losses(cell_setup: loop.Setup, compiled: loop.Compiled, params) -> dict:
+  sets = data.heldout_eval_sets(cell_setup.val_w, cell_setup.cfg.run.eval_tokens)
+  return {p: evaluation.make_evaluate(cell_setup.cfg, compiled, ev, False)(params)
+          for p, ev in sets.items()}
 
 
 def run_loop(cfg: TrainConfig, d: pathlib.Path, resume: bool) -> dict:
   """One cell as an ordinary training run; evaluation during training uses the val part."""
-  s = loop.setup(cfg)
-  s_val = dataclasses.replace(s, val_w=data.heldout_part(s.val_w, "val"))
+  cell_setup = loop.setup(cfg)
+  val_setup = dataclasses.replace(cell_setup, val_w=data.heldout_part(cell_setup.val_w, "val"))
   status = "ok"
   try:
-    loop.train(cfg, d, resume=resume, s=s_val)
+    loop.train(cfg, d, resume=resume, s=val_setup)
   except faults.SkipLimit:
     status = "diverged"
   except faults.Interrupted:
     return {"status": "interrupted"}
   summ = json.loads((d / "summary.json").read_text())
   summ["test_set"] = evaluation.eval_identity(data.heldout_eval_sets(
-      s.val_w, cfg.run.eval_tokens)["test"])["eval_set"]
+      cell_setup.val_w, cfg.run.eval_tokens)["test"])["eval_set"]
   losses = {"val": NAN, "test": NAN}
   if status == "ok":
-    fns = loop.compile_fns(s)
+    compiled = loop.compile_fns(cell_setup)
     ck = checkpoint.Checkpointer(d / "checkpoints", cfg.run.keep_checkpoints, False)
-    state, _ = ck.restore(ck.latest_step(), checkpoint.abstract(fns.state_shape, fns.state_sh))
+    state, _ = ck.restore(ck.latest_step(),
+                          checkpoint.abstract(compiled.state_shape, compiled.state_sh))
     ck.close()
-    losses = _heldout_losses(s, fns, state.params)
-  return _result(cfg, s.spec, summ, status, losses["val"], losses["test"], "loop")
+    losses = _heldout_losses(cell_setup, compiled, state.params)
+  return _result(cfg, cell_setup.spec, summ, status, losses["val"], losses["test"], "loop")
 
 
 def run_vmapped(cfgs: list[TrainConfig], dirs: list[pathlib.Path], resume_step: Optional[int],

@@ -83,13 +83,14 @@ class GroupFns:
 _FNS_CACHE: dict = {}
 
 
-def group_fns(s: loop.Setup, n: int, shared_batch: bool, key: Optional[str] = None
+def group_fns(group_setup: loop.Setup, n: int, shared_batch: bool, key: Optional[str] = None
               ) -> GroupFns:
   """The jitted functions for ``n`` cells of one group (cached under ``key``)."""
-  ck = (key, n, shared_batch)
-  if key is not None and ck in _FNS_CACHE:
-    return _FNS_CACHE[ck]
-  model, tx, spec, schedule = s.model, s.tx, s.spec, s.schedule
+  cache_key = (key, n, shared_batch)
+  if key is not None and cache_key in _FNS_CACHE:
+    return _FNS_CACHE[cache_key]
+  model, tx, spec = group_setup.model, group_setup.tx, group_setup.spec
+  schedule = group_setup.schedule
 
   def init(seed):
     return step_lib.init_state(model, tx, seed)
@@ -103,7 +104,7 @@ def group_fns(s: loop.Setup, n: int, shared_batch: bool, key: Optional[str] = No
                                                tokens)
   # init, restore and step all place the state on the setup's (one-device) mesh, so the
   # state the step returns has the type of the state it took: no second compile.
-  rep = NamedSharding(s.mesh, P())
+  rep = NamedSharding(group_setup.mesh, P())
   _check_no_offload(init)
   fns = GroupFns(
       init=jax.jit(_cellwise(init, (0,), n), out_shardings=rep),
@@ -112,7 +113,7 @@ def group_fns(s: loop.Setup, n: int, shared_batch: bool, key: Optional[str] = No
       eval=jax.jit(_cellwise(eval_one, (0, None), n)),
       state_shape=jax.eval_shape(init, jnp.zeros((), jnp.int32)))
   if key is not None:
-    _FNS_CACHE[ck] = fns
+    _FNS_CACHE[cache_key] = fns
   return fns
 
 
@@ -169,20 +170,22 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
   ("interrupted"). Evaluation: the held-out split's ``val`` part during training and at the
   end, its ``test`` part at the end (``data.heldout_part``).
   """
-  n, c0 = len(cfgs), cfgs[0]
-  s = loop.setup(unit_lr_config(c0))
-  if s.mesh.devices.size != 1:
+  n, first = len(cfgs), cfgs[0]
+  group_setup = loop.setup(unit_lr_config(first))
+  if group_setup.mesh.devices.size != 1:
     raise ValueError("the vmapped cell engine runs on one device; use engine.kind=loop")
-  r, d = c0.run, c0.data
+  run, data_cfg = first.run, first.data
   seeds = [c.run.seed for c in cfgs]
   lrs = jnp.asarray([c.optimizer.learning_rate for c in cfgs], jnp.float32)
   shared = len(set(seeds)) == 1
-  fns = group_fns(s, n, shared, key)
-  its = [data.Batches(s.train_w, d.batch_size, d.microbatches, groups=s.spec.num_groups,
-                      rolling_b=s.spec.layout == "rolling_b", seed=sd)
-         for sd in (seeds[:1] if shared else seeds)]
-  sets = data.heldout_eval_sets(s.val_w, r.eval_tokens)
-  parts = {p: None if ev is None else jnp.asarray(ev.microbatches(evaluation.eval_microbatch(c0))[0])
+  fns = group_fns(group_setup, n, shared, key)
+  its = [data.Batches(group_setup.train_w, data_cfg.batch_size, data_cfg.microbatches,
+                      groups=group_setup.spec.num_groups,
+                      rolling_b=group_setup.spec.layout == "rolling_b", seed=seed)
+         for seed in (seeds[:1] if shared else seeds)]
+  sets = data.heldout_eval_sets(group_setup.val_w, run.eval_tokens)
+  size = evaluation.eval_microbatch(first)
+  parts = {p: None if ev is None else jnp.asarray(ev.microbatches(size)[0])
            for p, ev in sets.items()}
 
   def evaluate(state, part: str) -> np.ndarray:
@@ -190,22 +193,23 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
       return np.full(n, np.nan)
     return sets[part].mean(jax.device_get(fns.eval(state, parts[part])))
 
-  ckpts = [checkpoint.Checkpointer(dd / "checkpoints", r.keep_checkpoints, r.async_checkpoint)
-           for dd in dirs]
-  for c, dd in zip(cfgs, dirs):
-    dd.mkdir(parents=True, exist_ok=True)
-    dump_config(c, dd / "config.yaml")
-  state = _restore_group(cfgs, s, fns, ckpts, its, resume_step, seeds)
+  ckpts = [checkpoint.Checkpointer(cell_dir / "checkpoints", run.keep_checkpoints,
+                                   run.async_checkpoint)
+           for cell_dir in dirs]
+  for c, cell_dir in zip(cfgs, dirs):
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(c, cell_dir / "config.yaml")
+  state = _restore_group(cfgs, group_setup, fns, ckpts, its, resume_step, seeds)
   step0 = int(jax.device_get(state.step[0]))
-  logs = [metrics.MetricsLog(dd, resume_step=step0 if resume_step is not None else None,
-                             tensorboard=r.tensorboard) for dd in dirs]
-  feed = prefetch.Prefetch(_CellBatches(its), jax.device_put, max(0, r.steps - step0))
+  logs = [metrics.MetricsLog(cell_dir, resume_step=step0 if resume_step is not None else None,
+                             tensorboard=run.tensorboard) for cell_dir in dirs]
+  feed = prefetch.Prefetch(_CellBatches(its), jax.device_put, max(0, run.steps - step0))
 
   def save(st, step: int, only_if_sound: bool = False) -> bool:
     del only_if_sound  # every cell's state is kept (a diverged cell's steps were skipped)
     pos = feed.state()
-    for i, ck in enumerate(ckpts):
-      ck.save(step, _slice(st, i), checkpoint.with_state_format(cfgs[i], pos[0 if shared else i]))
+    for i, ckpt in enumerate(ckpts):
+      ckpt.save(step, _slice(st, i), checkpoint.with_state_format(cfgs[i], pos[0 if shared else i]))
     return True
 
   cells = loop.Cells(n, phased.OneProgram(lambda st, b: fns.step(st, b, lrs)), feed, logs,
@@ -213,53 +217,53 @@ def train_group(cfgs: list[TrainConfig], dirs: list[pathlib.Path], *, resume_ste
                      lambda step: "deadline" if should_stop() else None,
                      labels=[f"[lr {c.optimizer.learning_rate:g} seed {c.run.seed}]"
                              for c in cfgs])
-  meter = metrics.Meter(s.spec.num_groups * d.batch_size * d.seq_len * n)
+  meter = metrics.Meter(group_setup.spec.num_groups * data_cfg.batch_size * data_cfg.seq_len * n)
   try:
-    res, state = loop.run_cells(c0, s, cells, state, step0, meter)
+    res, state = loop.run_cells(first, group_setup, cells, state, step0, meter)
   finally:
     feed.close()
-    for ck in ckpts:
-      ck.close()
+    for ckpt in ckpts:
+      ckpt.close()
     for log in logs:
       log.close()
   test = evaluate(state, "test") if res.interrupted is None else np.full(n, np.nan)
-  return _finish(cfgs, dirs, s, res, meter, resume_step, sets, test)
+  return _finish(cfgs, dirs, group_setup, res, meter, resume_step, sets, test)
 
 
-def _restore_group(cfgs, s, fns, ckpts, its, resume_step, seeds):
+def _restore_group(cfgs, group_setup, fns, ckpts, its, resume_step, seeds):
   """The cells' stacked state: fresh, or restored from each cell's checkpoint at
   ``resume_step`` (with each iterator's position)."""
   if resume_step is None:
     return fns.init(jnp.asarray(seeds, jnp.int32))
   sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = checkpoint.abstract(fns.state_shape, jax.tree.map(lambda _: sh, fns.state_shape))
-  restored = [ck.restore(resume_step, abstract) for ck in ckpts]
-  state = jax.device_put(_stack([st for st, _ in restored]), NamedSharding(s.mesh, P()))
-  dstates = [checkpoint.check_state_format(c, ds, f"{ck.dir}/{resume_step}")
-             for c, (_, ds), ck in zip(cfgs, restored, ckpts)]
+  restored = [ckpt.restore(resume_step, abstract) for ckpt in ckpts]
+  state = jax.device_put(_stack([st for st, _ in restored]), NamedSharding(group_setup.mesh, P()))
+  dstates = [checkpoint.check_state_format(c, ds, f"{ckpt.dir}/{resume_step}")
+             for c, (_, ds), ckpt in zip(cfgs, restored, ckpts)]
   for it, ds in zip(its, dstates):
     it.restore(ds)
   return state
 
 
-def _finish(cfgs, dirs, s, res, meter, resume_step, sets, test) -> GroupResult:
+def _finish(cfgs, dirs, group_setup, res, meter, resume_step, sets, test) -> GroupResult:
   """Each cell's status and summary.json (the trainer's, plus the group's wall time and the
   test set), and its loss plot."""
   n = len(cfgs)
   wall = time.time() - meter.t0
   status, summaries = [], []
-  for i, (c, dd) in enumerate(zip(cfgs, dirs)):
+  for i, (c, cell_dir) in enumerate(zip(cfgs, dirs)):
     status.append("interrupted" if res.interrupted is not None
                   else "diverged" if res.diverged[i] else "ok")
-    summ = {**summary.summarize(c, s, res, meter, resume_step, cell=i),
+    summ = {**summary.summarize(c, group_setup, res, meter, resume_step, cell=i),
             "group_wall_time_s": wall, "cells_at_once": n, **evaluation.eval_identity(sets["val"]),
             "test_set": evaluation.eval_identity(sets["test"])["eval_set"]}
-    metrics.write_summary(dd, summ)
+    metrics.write_summary(cell_dir, summ)
     summaries.append(summ)
     if c.run.plot:
-      metrics.plot_curves({c.optimizer.name: metrics.read_metrics(dd / "metrics.jsonl")},
-                          dd / "loss.png", title=f"lr {c.optimizer.learning_rate:g}, "
+      metrics.plot_curves({c.optimizer.name: metrics.read_metrics(cell_dir / "metrics.jsonl")},
+                          cell_dir / "loss.png", title=f"lr {c.optimizer.learning_rate:g}, "
                           f"seed {c.run.seed}")
   train_loss = np.mean(res.last_losses, axis=0) if res.last_losses is not None else [np.nan] * n
   return GroupResult(status, [float(v) for v in res.eval_loss], [float(v) for v in test],
-                     [float(v) for v in train_loss], summaries, wall, s.spec)
+                     [float(v) for v in train_loss], summaries, wall, group_setup.spec)

@@ -335,9 +335,10 @@ def dump_config(cfg: TrainConfig, path: str | pathlib.Path) -> None:
 RESUMABLE = ("run.steps", "run.log_every", "run.eval_every", "run.eval_tokens",
              "run.checkpoint_every", "run.keep_checkpoints", "run.async_checkpoint",
              "run.max_consecutive_skips", "run.progress", "run.tensorboard", "run.plot",
-             "run.peak_flops", "run.wandb", "run.profile", "run.telemetry_every", "run.host_phases",
-             "optimizer.schedule.total_steps", "model.init_from", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.distributed",
-             "mesh.shard_optimizer", "optimizer.extra.block_major",
+             "run.peak_flops", "run.wandb", "run.profile", "run.telemetry_every",
+             "run.host_phases", "optimizer.schedule.total_steps", "model.init_from", "mesh.data",
+             "mesh.fsdp", "mesh.tensor", "mesh.distributed", "mesh.shard_optimizer",
+             "optimizer.extra.block_major",
              "optimizer.extra.offload_statistics")
 HISTORY = "config_history.jsonl"
 

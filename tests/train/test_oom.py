@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from scaleopt import cli
-from scaleopt.train import config as C, faults, loop
+from scaleopt.train import config as C, faults, phased
 
 from train_helpers import tiny_raw
 
@@ -34,7 +34,7 @@ def test_first_step_out_of_memory_is_one_line_exit_2(monkeypatch, capsys, tmp_pa
       raise jax.errors.JaxRuntimeError(GPU)
     return step
 
-  monkeypatch.setattr(loop, "_stepper", stepper)  # the compiled step runs out of memory
+  monkeypatch.setattr(phased, "make_stepper", stepper)  # the compiled step runs out of memory
   cfg = tmp_path / "c.yaml"
   cfg.write_text(yaml.safe_dump(tiny_raw(run={"checkpoint_every": 0})))
   rc = cli.main(["train", "--config", str(cfg), "--out", str(tmp_path / "run")])
