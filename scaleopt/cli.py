@@ -106,7 +106,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
                       val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
                       include=tuple(args.include), bpe_sample_mb=args.bpe_sample_mb,
                       progress=not args.quiet, skip_bad_records=args.skip_bad_records,
-                      max_bad_records=args.max_bad_records) or 0
+                      max_bad_records=args.max_bad_records, dedup=args.dedup) or 0
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
   dp.add_argument("--bpe-sample-mb", type=float, default=None,
                   help="train bpe:VOCAB on about this much training text, sampled across the "
                   "inputs (default: all of it)")
+  dp.add_argument("--dedup", nargs="?", type=float, const=0.8, default=None, metavar="SHARE",
+                  help="keep near-duplicate documents (sharing >= SHARE of their lines, default "
+                  "0.8) on one side of the split (MinHash LSH; needs datasketch)")
   dp.add_argument("--quiet", action="store_true", help="no progress lines")
   dp.add_argument("--skip-bad-records", action="store_true",
                   help="leave out records that cannot be read (a JSONL line that is not a JSON "

@@ -4,7 +4,8 @@ The text is every UTF-8 source and documentation file (``SUFFIXES``: Python and 
 Markdown, reStructuredText, plain text, C/C++/CUDA) under the running interpreter's
 site-packages and standard library (exact duplicates, e.g. vendored copies and
 license texts, kept once), written as one JSONL document per file, then tokenized by
-``scaleopt data prepare`` with a byte-level BPE trained on a sample of it:
+``scaleopt data prepare`` with a byte-level BPE trained on a sample of it (``--dedup``: near-
+duplicate files, e.g. another version of a module, on one side of the held-out split):
 
   PYTHONPATH=. python scripts/offline_corpus.py --out $OUT/corpus
 
@@ -89,7 +90,8 @@ def collect(roots: list[pathlib.Path], jsonl: pathlib.Path, suffixes=SUFFIXES) -
 
 
 def build(out: pathlib.Path, roots: list[pathlib.Path], vocab: int, bpe_sample_mb: float,
-          val_fraction: float, shard_tokens: int, work: pathlib.Path) -> dict:
+          val_fraction: float, shard_tokens: int, work: pathlib.Path,
+          dedup: float | None = None) -> dict:
   from scaleopt.train import prepare as P
   work.mkdir(parents=True, exist_ok=True)
   jsonl = work / "sources.jsonl"
@@ -102,7 +104,7 @@ def build(out: pathlib.Path, roots: list[pathlib.Path], vocab: int, bpe_sample_m
   try:
     s = P.prepare(jsonl, out, f"bpe:{vocab}", opts=P.Options(
         val_fraction=val_fraction, shard_tokens=shard_tokens, bpe_sample_mb=bpe_sample_mb,
-        progress=True))
+        progress=True, dedup=dedup))
   finally:
     jsonl.unlink(missing_ok=True)
   (out / "sources.json").write_text(json.dumps(sources, indent=1))
@@ -122,6 +124,9 @@ def main(argv=None) -> int:
   ap.add_argument("--shard-tokens", type=int, default=1 << 26)
   ap.add_argument("--work", default=None, help="scratch folder for the JSONL (default: a "
                   "temporary folder)")
+  ap.add_argument("--dedup", nargs="?", type=float, const=0.8, default=None, metavar="SHARE",
+                  help="keep near-duplicate files (sharing >= SHARE of their lines, default 0.8) "
+                  "on one side of the split (data prepare --dedup)")
   ap.add_argument("--run-tokens", type=float, default=262_144_000,
                   help="training tokens of the run to count epochs for")
   ap.add_argument("--min-tokens", type=float, default=100e6)
@@ -132,7 +137,7 @@ def main(argv=None) -> int:
     pathlib.Path(a.work).mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=a.work) as work:
     s = build(pathlib.Path(a.out), roots, a.vocab, a.bpe_sample_mb, a.val_fraction,
-              a.shard_tokens, pathlib.Path(work))
+              a.shard_tokens, pathlib.Path(work), a.dedup)
   epochs = a.run_tokens / s["train_tokens"]
   print(f"corpus {a.out}: {s['train_tokens']:,} train / {s['val_tokens']:,} val tokens, "
         f"vocab {s['vocab_size']:,}, from {s['source_files']:,} files "

@@ -21,6 +21,10 @@ A study file (``configs/studies/<name>.yaml``)::
            keep_checkpoints: false}        # false: a finished cell's checkpoints are deleted
   contrasts:                      # optional: [arm_a, arm_b, label] -> a - b, paired by seed
     - [adamw_bc, adamw, "the correction"]
+  target_half_width: 0.05         # a contrast's wanted 95% half-width (the report's seed plan)
+  sequential:                     # optional: more seeds only where a contrast is still open
+    max_seeds: 6                  # seeds per arm at most (``seeds``, then the next integers)
+    contrasts: [adamw_bc - adamw] # the contrasts that ask for seeds (default: all)
 
 A cell is one point (arm, grid values, learning rate, seed); its training config is
 ``base <- train <- arm overrides <- grid values <- optimizer.learning_rate, run.seed``, an
@@ -45,7 +49,8 @@ from scaleopt.config import apply_overrides as _apply_overrides
 from scaleopt.train import config as train_config
 
 TOP_KEYS = ("name", "description", "base", "train", "arms", "baseline", "compute_baselines",
-            "learning_rates", "seeds", "best_lr_seeds", "grid", "engine", "contrasts")
+            "learning_rates", "seeds", "best_lr_seeds", "grid", "engine", "contrasts",
+            "target_half_width", "sequential")
 ENGINES = ("vmap", "loop")
 TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "mesh")
 LR_KEY, SEED_KEY = "optimizer.learning_rate", "run.seed"
@@ -68,6 +73,15 @@ class Engine:
   keep_checkpoints: bool = False
 
 
+@dataclasses.dataclass
+class Sequential:
+  """``sequential``: seeds added at the best lr of both arms of each contrast named in
+  ``contrasts`` (``"arm_a - arm_b"``; None: every contrast) whose 95% half-width is above the
+  study's ``target_half_width``, up to ``max_seeds`` seeds per arm (``scaleopt.study.seedplan``)."""
+  max_seeds: int = spec(min=2)
+  contrasts: Optional[list[str]] = spec(None, distinct=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class Cell:
   """One training run of a study."""
@@ -75,7 +89,7 @@ class Cell:
   grid: tuple  # ((dotted key, value), ...) in the study's grid order
   lr: float
   seed: int
-  stage: int  # 1: learning-rate search, 2: extra seed at the arm's best lr
+  stage: int  # 1: learning-rate search, 2: extra seed at the arm's best lr, 3: sequential seed
 
   @property
   def condition(self) -> tuple:
@@ -104,6 +118,8 @@ class Study:
   keep_checkpoints: bool
   raw: dict
   contrasts: list = dataclasses.field(default_factory=list)  # [(arm_a, arm_b, label)]
+  target_half_width: float = 0.05
+  sequential: Optional[Sequential] = None
 
   def grid_points(self) -> list[tuple]:
     keys = list(self.grid)
@@ -125,6 +141,16 @@ class Study:
     """Stage 2: the ``best_lr_seeds`` not already run at the best lr."""
     return [Cell(arm, grid, best_lr, s, 2) for s in self.best_lr_seeds
             if s not in self.arm_seeds(arm)]
+
+  def seed_sequence(self) -> list[int]:
+    """Sequential mode's seeds, in order: ``seeds``, then the integers after their largest,
+    ``sequential.max_seeds`` in all."""
+    n = self.sequential.max_seeds if self.sequential else len(self.seeds)
+    return (self.seeds + list(range(max(self.seeds) + 1, max(self.seeds) + 1 + n)))[:n]
+
+  def sequential_cell(self, arm: str, grid: tuple, best_lr: float, seed: int) -> Cell:
+    """Stage 3: a seed that sequential mode adds at the arm's best lr."""
+    return Cell(arm, grid, best_lr, seed, 3)
 
   def cell_raw(self, cell: Cell) -> dict:
     """The raw training config of a cell (validate with ``train.config.from_dict``)."""
@@ -226,6 +252,25 @@ def _contrasts(raw: Any, arms: dict) -> list[tuple]:
   return out
 
 
+def _sequential(raw: Any, contrasts: list, seeds: list) -> Optional[Sequential]:
+  """``sequential``: needs ``contrasts``; names contrasts as ``"a - b"``; ``max_seeds`` at
+  least the number of ``seeds``."""
+  if raw is None:
+    return None
+  seq = parse(Sequential, raw, "sequential")
+  if not contrasts:
+    raise ConfigError("study key 'sequential' needs 'contrasts' (the seeds go to contrasts "
+                      "whose interval is still wider than target_half_width)")
+  names = [f"{a} - {b}" for a, b, _ in contrasts]
+  for x in seq.contrasts or []:
+    if x not in names:
+      raise ConfigError(f"study key 'sequential.contrasts': {x!r} is not a contrast; "
+                        f"contrasts: {names}")
+  if seq.max_seeds < len(seeds):
+    raise fail("sequential.max_seeds", seq.max_seeds, f"must be >= the {len(seeds)} 'seeds'")
+  return seq
+
+
 def from_dict(raw: dict, path: Optional[pathlib.Path] = None) -> Study:
   """Validates a study mapping; every cell's training config is checked too."""
   if not isinstance(raw, dict):
@@ -275,11 +320,17 @@ def from_dict(raw: dict, path: Optional[pathlib.Path] = None) -> Study:
     if any(not _NAME.match(_fmt(x)) for x in v):
       raise ConfigError(f"study key 'grid.{k}'={v!r}: values may use letters, digits, _ . + -")
   eng = parse(Engine, raw.get("engine"), "engine")
+  contrasts = _contrasts(raw.get("contrasts"), arms)
+  target = convert(raw.get("target_half_width", 0.05), float, "target_half_width", {"gt": 0})
   st = Study(name, path, base, arms, baseline, list(cb), seeds, best, dict(grid), eng.kind,
-             eng.cells_at_once, eng.keep_checkpoints, raw,
-             _contrasts(raw.get("contrasts"), arms))
+             eng.cells_at_once, eng.keep_checkpoints, raw, contrasts, target,
+             _sequential(raw.get("sequential"), contrasts, seeds))
   cells = st.search_cells() + [c for a in arms for g in st.grid_points()
                                for c in st.best_lr_cells(a, g, st.lrs(a)[0])]
+  if st.sequential:
+    cells += [st.sequential_cell(a, g, st.lrs(a)[0], st.seed_sequence()[-1])
+              for a in dict.fromkeys(x for c in contrasts for x in c[:2])
+              for g in st.grid_points()]
   for c in cells:  # every cell validates (its optimizer built) before anything runs
     st.cell_config(c)
   return st

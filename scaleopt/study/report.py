@@ -8,6 +8,9 @@ Statistics (all over seeds, n = number of finished seeds):
 * the difference from the baseline arm, paired by seed (equal seeds share the initialization
   and, for equal data layouts, the batches): the t-interval of the per-seed differences
   ``d_s = loss_arm(s) - loss_baseline(s)`` over the seeds both have.
+* seeds for a target half-width (``contrasts``): the smallest n with
+  ``t_{0.975, n-1} sd / sqrt(n) <= target_half_width``, sd from the seeds so far
+  (``scaleopt.study.seedplan``; a plan, not a guarantee).
 * learning rate: per condition (arm x grid point) the lr with the lowest mean ``val`` loss over
   the search seeds; reported numbers are ``test`` losses at that lr (a disjoint split).
 """
@@ -23,7 +26,7 @@ from typing import Optional, Sequence
 import numpy as np
 from scipy import stats as sps
 
-from scaleopt.study import store
+from scaleopt.study import seedplan, store
 from scaleopt.train import provenance
 
 COLUMNS = ("cell", "arm", "lr", "seed", "stage", "status", "steps", "tokens", "gradient_passes",
@@ -245,7 +248,9 @@ def contrast_rows(st, conds: list[Condition]) -> list[dict]:
       per_seed = {s: ca.test[s] - cb.test[s] for s in sorted(set(ca.test) & set(cb.test))
                   } if ready else {}  # a diverged seed (non-finite) is printed as such
       rows.append({"a": a, "b": b, "label": label, "grid": g, "interval": iv,
-                   "verdict": verdict(iv) if ready else "-", "per_seed": per_seed})
+                   "verdict": verdict(iv) if ready else "-", "per_seed": per_seed,
+                   "plan": seedplan.seed_plan(ca.test, cb.test, st.target_half_width)
+                   if ready else None})
   return rows
 
 
@@ -254,20 +259,33 @@ def contrast_lines(st, conds: list[Condition], has_grid: bool) -> list[str]:
   rows = contrast_rows(st, conds)
   if not rows:
     return []
+  h = st.target_half_width
   head = ["contrast"] + (["grid"] if has_grid else []) + [
-      "isolates", "seeds", "diff a - b [95% CI]", "verdict", "per seed"]
+      "isolates", "seeds", "diff a - b [95% CI]", "verdict", "per seed", "sd of diff",
+      "half-width", f"seeds for +-{h:g}"]
   out = ["", "## Contrasts", "",
          "Each row is arm a minus arm b in `test` loss, paired by seed (t-interval of the "
          "per-seed differences over the seeds both finished); `lower`: a is better.", "",
          "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
   for r in rows:
     d = "unfinished" if r["interval"] is None else r["interval"].fmt(signed=True)
+    p = r["plan"]
+    plan = ["-"] * 3 if p is None or p.n < 2 else [
+        f"{p.sd:.4f}", f"{p.half_width:.4f}", p.needed_str()]
     out.append("| " + " | ".join(
         [f"{r['a']} - {r['b']}"] + ([_grid_str(r["grid"])] if has_grid else [])
         + [r["label"], "-" if r["interval"] is None else str(r["interval"].n), d,
            r["verdict"], ", ".join(f"s{s} {v:+.4f}" if _finite(v) else f"s{s} diverged"
-                                   for s, v in r["per_seed"].items()) or "-"])
+                                   for s, v in r["per_seed"].items()) or "-"] + plan)
         + " |")
+  out += ["", f"Seed plan: `sd of diff` is the sample s.d. of the per-seed differences, "
+          "`half-width` the 95% interval's half-width now, and the last column the smallest n "
+          f"with t(0.975, n-1) sd / sqrt(n) <= {h:g} (`target_half_width`), sd from the seeds "
+          "so far: a plan, not a guarantee (sd from few seeds is itself uncertain)."]
+  if st.sequential:
+    names = [f"{a} - {b}" for a, b, _ in seedplan.driving(st)]
+    out += [f"Sequential seeds (up to {st.sequential.max_seeds} per arm) go to the contrasts "
+            f"{', '.join(names)} while their half-width is above {h:g}."]
   return out
 
 
@@ -457,7 +475,8 @@ def write_report(st, out: pathlib.Path, plots: bool = True) -> list[Condition]:
   planned = {c.id for c in st.search_cells()} | {
       c.id for k in conds
       for c in st.best_lr_cells(k.arm, k.grid, k.best_lr if k.best_lr is not None
-                                else st.lrs(k.arm)[0])}
+                                else st.lrs(k.arm)[0])} | {
+      c.id for c in seedplan.sequential_cells(st, conds)}
   write_csv(st, rows, out / "results.csv")
   (out / "summary.md").write_text(summary_md(st, rows, conds, planned))
   if plots and rows:

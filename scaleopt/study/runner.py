@@ -51,7 +51,7 @@ from typing import Optional
 import yaml
 
 from scaleopt.study import config as study_config
-from scaleopt.study import report, store
+from scaleopt.study import report, seedplan, store
 from scaleopt.study.config import Cell, ConfigError, Study
 from scaleopt.train import runfolder
 
@@ -99,16 +99,23 @@ def write_result(d: pathlib.Path, result: dict) -> None:
 
 def plan(st: Study, out: pathlib.Path) -> list[Cell]:
   """Unfinished cells: the learning-rate search, plus the extra seeds at the best lr of every
-  condition whose search is complete."""
+  condition whose search is complete, plus (``sequential``) the next seeds of the contrasts
+  whose interval is still wider than the target (``seedplan.sequential_cells``)."""
   done = report.finished_ids(out)
   todo = [c for c in st.search_cells() if c.id not in done]
-  if st.best_lr_seeds:
+  if st.best_lr_seeds or st.sequential:
     rows = report.read_rows(out)
     for cond in dict.fromkeys(c.condition for c in st.search_cells()):
       best = report.best_lr(st, rows, cond)
       if best is not None:
         todo += [c for c in st.best_lr_cells(cond[0], cond[1], best) if c.id not in done]
-  return todo
+    if st.sequential:
+      todo += [c for c in seedplan.sequential_cells(st, report.analyse(st, rows))
+               if c.id not in done]
+  once: dict = {}
+  for c in todo:  # a cell wanted by two stages runs once, under the first
+    once.setdefault(c.id, c)
+  return list(once.values())
 
 
 def conditions(st: Study) -> list[tuple]:
@@ -395,7 +402,9 @@ def study_main(config: str, out: str, overrides: Optional[list[str]] = None,
       for u in units(st, todo, pathlib.Path(out)):
         print(f"{len(u)} at once: " + " ".join(c.id for c in u))
       print(f"study {st.name}: {len(todo)} cell(s) left (this shard; extra seeds at the best lr "
-            "appear once a condition's search is finished)")
+            "appear once a condition's search is finished"
+            + (", sequential seeds once a contrast's seeds are finished)" if st.sequential
+               else ")"))
       return EXIT_OK
     res = run_study(st, pathlib.Path(out), cells=cells, max_minutes=max_minutes, shard=shard,
                     train=not report_only, claim=None if report_only else claim)

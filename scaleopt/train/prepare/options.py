@@ -15,7 +15,9 @@ class Options:
   every few seconds; ``skip_bad_records``: leave out records that cannot be read (a line that
   is not a JSON object, a text field that is null or not a string), counted, instead of
   stopping at the first; ``max_bad_records``: stop after more than this many of them
-  (``BAD_RECORDS_CAP`` when None)."""
+  (``BAD_RECORDS_CAP`` when None); ``dedup``: near-duplicate documents (sharing at least
+  this share of their lines, ``scaleopt.train.dedup``) go to one side of the split together
+  (None: off)."""
   text_field: str = "text"
   val_fraction: float = 0.05
   shard_tokens: int = 1 << 28
@@ -24,6 +26,7 @@ class Options:
   progress: bool = False
   skip_bad_records: bool = False
   max_bad_records: Optional[int] = None
+  dedup: Optional[float] = None
 
   @property
   def bad_records_cap(self) -> int:

@@ -32,7 +32,7 @@ def fingerprint(files: list, tokenizer: str, opts: Options) -> dict:
   skip = {"skip_bad_records": opts.bad_records_cap} if opts.skip_bad_records else {}
   return {"files": st, "tokenizer": tokenizer, "text_field": opts.text_field,
           "val_fraction": opts.val_fraction, "shard_tokens": opts.shard_tokens,
-          "bpe_sample_mb": opts.bpe_sample_mb, **skip}
+          "bpe_sample_mb": opts.bpe_sample_mb, "dedup": opts.dedup, **skip}
 
 
 def load_state(out: pathlib.Path, fp: dict) -> Optional[dict]:

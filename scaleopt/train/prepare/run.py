@@ -18,7 +18,7 @@ from scaleopt.train.prepare import restart
 from scaleopt.train.prepare.options import Options
 from scaleopt.train.prepare.progress import Progress
 from scaleopt.train.prepare.readers import BAD_RECORD, input_files, units
-from scaleopt.train.prepare.split import split_of
+from scaleopt.train.prepare.split import near_duplicate_split, split_of
 from scaleopt.train.prepare.tokenize import encoding_batches, make_tokenizer
 from scaleopt.train.prepare.writer import MANIFEST, ShardWriter, write_manifest
 from scaleopt.train.shards import DataError
@@ -52,7 +52,9 @@ def prepare(inp: str | pathlib.Path, out: str | pathlib.Path, tokenizer: str = "
   state = restart.load_state(out, fp)
   if state is None:
     restart.clear(out)
-  tok = make_tokenizer(tokenizer, out, files, opts, state is not None)
+  groups, dedup = (near_duplicate_split(files, opts) if opts.dedup is not None
+                   else (None, None))
+  tok = make_tokenizer(tokenizer, out, files, opts, state is not None, groups)
   if state is None:
     tok.save(out)
     state = {"fingerprint": fp, "pos": [0, 0], "shards": {"train": [], "val": []},
@@ -83,7 +85,7 @@ def prepare(inp: str | pathlib.Path, out: str | pathlib.Path, tokenizer: str = "
         if u.last:
           arr = np.append(arr, np.uint32(tok.sep))
         prog.bytes += len(u.text)
-        split = split_of(u, opts.val_fraction)
+        split = split_of(u, opts.val_fraction, groups)
         if writers[split].add(arr) and split == "train":
           writers["val"].close_shard()
           state.update(pos=list(pos), text_bytes=prog.bytes, skipped=skipped,
@@ -93,7 +95,7 @@ def prepare(inp: str | pathlib.Path, out: str | pathlib.Path, tokenizer: str = "
   finally:
     batches.close()
   prog.tick(writers, force=True)
-  return _finish(inp, out, files, tok, writers, skipped, prog, opts)
+  return _finish(inp, out, files, tok, writers, skipped, prog, opts, dedup)
 
 
 def _no_text(inp: pathlib.Path, files: list, skipped: dict) -> DataError:
@@ -112,7 +114,7 @@ def _no_text(inp: pathlib.Path, files: list, skipped: dict) -> DataError:
                    f"{', '.join(parts) or 'none holds a document'}")
 
 
-def _finish(inp, out, files, tok, writers, skipped, prog, opts) -> dict:
+def _finish(inp, out, files, tok, writers, skipped, prog, opts, dedup=None) -> dict:
   """Refuses an empty split; writes the manifest, removes the restart point; the summary."""
   if writers["val"].total == 0 and writers["train"].total == 0:
     raise _no_text(inp, files, skipped)
@@ -125,12 +127,13 @@ def _finish(inp, out, files, tok, writers, skipped, prog, opts) -> dict:
   if writers["train"].total == 0:
     raise DataError(f"input {str(inp)!r}: the training split is empty")
   manifest = write_manifest(out, inp, files, tok, writers, skipped, prog.bytes,
-                            opts.text_field, opts.val_fraction)
+                            opts.text_field, opts.val_fraction, dedup)
   restart.remove(out)
   return {"vocab_size": tok.vocab_size, "tokenizer": tok.name, "files": len(files),
           "train_tokens": writers["train"].total, "val_tokens": writers["val"].total,
           "skipped": skipped, "text_bytes": prog.bytes, "mb_per_s": prog.rate(),
-          "seconds": time.perf_counter() - prog.t0, "content_hash": manifest["content_hash"]}
+          "seconds": time.perf_counter() - prog.t0, "content_hash": manifest["content_hash"],
+          "dedup": dedup}
 
 
 def _check_args(inp: str, out: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 from scaleopt.train import tokenizers
 from scaleopt.train.prepare.options import Options
@@ -16,18 +16,21 @@ from scaleopt.train.shards import DataError
 BATCH_BYTES = 16 << 20  # text per encoding batch (the Rust encoder spreads it over the cores)
 
 
-def make_tokenizer(spec: str, out: pathlib.Path, files: list, opts: Options, resumed: bool):
-  """The tokenizer of ``spec``; a resumed ``bpe:VOCAB`` run reloads the one it learned."""
+def make_tokenizer(spec: str, out: pathlib.Path, files: list, opts: Options, resumed: bool,
+                   groups: Optional[dict] = None):
+  """The tokenizer of ``spec``; a resumed ``bpe:VOCAB`` run reloads the one it learned
+  (``groups``: the ``--dedup`` split, ``split.near_duplicate_split``)."""
   try:
     if resumed and (out / "tokenizer.json").is_file() and spec.startswith("bpe:"):
       tok = tokenizers.load_tokenizer(out / "tokenizer.json", tokenizers.BPE_SEPARATOR)
       return dataclasses.replace(tok, kind="bpe", source=spec[4:])
-    return tokenizers.from_spec(spec, train_texts=bpe_sample(files, opts))
+    return tokenizers.from_spec(spec, train_texts=bpe_sample(files, opts, groups))
   except tokenizers.TokenizerError as e:
     raise DataError(str(e)) from None
 
 
-def bpe_sample(files: list, opts: Options) -> Callable[[], Iterator[bytes]]:
+def bpe_sample(files: list, opts: Options, groups: Optional[dict] = None
+               ) -> Callable[[], Iterator[bytes]]:
   """The training text a ``bpe:VOCAB`` tokenizer learns from: every training document, or a
   hashed sample of about ``bpe_sample_mb`` MB spread over the inputs."""
   size = sum(p.stat().st_size for _, p in files)
@@ -38,7 +41,7 @@ def bpe_sample(files: list, opts: Options) -> Callable[[], Iterator[bytes]]:
     seen = 0
     for _, u in units(files, opts.text_field, opts.val_fraction,
                       skip_bad=opts.skip_bad_records):
-      if u.skip or split_of(u, opts.val_fraction) != "train" or (
+      if u.skip or split_of(u, opts.val_fraction, groups) != "train" or (
           share < 1 and not is_heldout(u.key + u.text[:64], share)):
         continue
       yield u.text

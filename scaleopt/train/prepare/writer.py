@@ -75,8 +75,10 @@ class ShardWriter:
 
 
 def write_manifest(out: pathlib.Path, inp: pathlib.Path, files: list, tok, writers: dict,
-                   skipped: dict, text_bytes: int, text_field: str, val_fraction: float) -> dict:
-  """Closes the writers' last shards and writes ``OUT/manifest.json``; returns it."""
+                   skipped: dict, text_bytes: int, text_field: str, val_fraction: float,
+                   dedup: Optional[dict] = None) -> dict:
+  """Closes the writers' last shards and writes ``OUT/manifest.json``; returns it. ``dedup``
+  (the ``--dedup`` record) is written too and enters the content hash."""
   for w in writers.values():
     w.close_shard(final=True)
   tok_hash = (hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
@@ -85,6 +87,9 @@ def write_manifest(out: pathlib.Path, inp: pathlib.Path, files: list, tok, write
   for s in ("train", "val"):
     for sh in writers[s].shards:
       content.update(sh["sha256"].encode())
+  if dedup is not None:
+    content.update(f"dedup {dedup['threshold']} {dedup['jaccard']} {dedup['lsh_jaccard']} "
+                   f"{dedup['num_perm']}".encode())
   input_bytes = sum(p.stat().st_size for _, p in files)
   manifest = {
       "format": "scaleopt-corpus", "version": 1, "input": str(inp),
@@ -93,6 +98,7 @@ def write_manifest(out: pathlib.Path, inp: pathlib.Path, files: list, tok, write
       "tokenizer_sha256": tok_hash, "vocab_size": tok.vocab_size, "separator": tok.sep,
       "text_field": text_field, "val_fraction": val_fraction,
       "splits": {s: {"tokens": w.total, "shards": w.shards} for s, w in writers.items()},
-      "skipped": skipped, "content_hash": content.hexdigest()}
+      "skipped": skipped, **({"dedup": dedup} if dedup is not None else {}),
+      "content_hash": content.hexdigest()}
   (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
   return manifest

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One device call of the bc_paper_gpt2_decisive study (configs/studies/bc_paper_gpt2_decisive.yaml:
+# bc_paper_gpt2's arms adamw, adamw_split, loo_paper, loo; seeds added by the sequential plan
+# only to contrasts wider than +-0.05 nats, up to 6 per arm), from the repo root of the device's
+# copy: `run` with kind nvidia-h200-x4 (or -x2), carrying runs/wheels (below), and
+#   bash lab/gpu/decisive_call.sh MINUTES      (MINUTES may be fractional, e.g. 9 or 6.3)
+# Resumable: call it again until it prints "0 left". Each call:
+# - takes in docs/studies/bc_paper_gpt2_decisive/cells.jsonl (the cells finished by earlier calls
+#   and committed) once per machine, so no finished cell trains again;
+# - builds the offline corpus with near-duplicate groups on one side of the split (--dedup) once
+#   per machine into runs/corpus_dedup (ignored by git; a warm machine keeps it and the cells'
+#   checkpoints between calls made back to back);
+# - runs one worker per GPU until MINUTES after the start of the call (checkpointing at the stop;
+#   each worker plans anew after every cell, so sequential seeds start as soon as a contrast's
+#   seeds are in);
+# - leaves in $OUT: cells.jsonl (every finished cell), the report rebuilt from it (summary.md
+#   with the seed plan), the worker logs' tails, the corpus log and its manifest.
+# Commit after each call: append $OUT/cells.jsonl to docs/studies/bc_paper_gpt2_decisive/ with
+#   python -c "import sys; from scaleopt.study import store; print(store.append(
+#     'docs/studies/bc_paper_gpt2_decisive', store.read(sys.argv[1])))" FILES_AT
+# then `scaleopt study --config bc_paper_gpt2_decisive --out docs/studies/bc_paper_gpt2_decisive
+#   --set data.path=runs/corpus_dedup --report-only`.
+# datasketch (data prepare --dedup) is not on the device and nothing can be downloaded there:
+# `pip download datasketch --no-deps -d runs/wheels` here and pass carry=["runs/wheels"].
+set -uo pipefail
+minutes=${1:-9}
+[[ $minutes =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "MINUTES=$minutes is not a number of minutes" >&2; exit 2; }
+seconds=$(awk "BEGIN{print int($minutes * 60)}")
+start=$(date +%s)
+export PYTHONPATH=.
+study=bc_paper_gpt2_decisive
+out=${OUT:-/tmp/decisive_out}
+mkdir -p runs "$out"
+python -c "import datasketch" 2>/dev/null || pip install -q --no-index --find-links runs/wheels \
+  datasketch > "$out/pip.log" 2>&1 || { echo "datasketch missing: carry runs/wheels (see the header)"; exit 2; }
+if [ ! -f runs/$study/.committed_cells_merged ]; then
+  mkdir -p runs/$study
+  f=runs/$study/cells.jsonl  # a line cut short by a killed call ends before ours starts
+  [ ! -s "$f" ] || [ -z "$(tail -c 1 "$f")" ] || echo >> "$f"
+  [ ! -f docs/studies/$study/cells.jsonl ] || cat docs/studies/$study/cells.jsonl >> "$f"
+  touch runs/$study/.committed_cells_merged
+fi
+rm -f runs/worker*.log
+{ nvidia-smi -L; echo "XLA_FLAGS=${XLA_FLAGS:-}"; } > "$out/gpus.txt" 2>&1
+if [ ! -f runs/corpus_dedup/manifest.json ]; then
+  nice python scripts/offline_corpus.py --out runs/corpus_dedup --val-fraction 0.04 --dedup \
+    > "$out/corpus.log" 2>&1 || { tail -20 "$out/corpus.log"; exit 1; }
+fi
+cp runs/corpus_dedup/manifest.json "$out/corpus_manifest.json"
+left=$(( seconds - ($(date +%s) - start) ))
+[ "$left" -ge 120 ] || { echo "only $left s left after the corpus"; exit 0; }
+export SCALEOPT_DEADLINE=$(( start + seconds ))
+scripts/study_workers.sh "$(awk "BEGIN{print $left / 60}")" runs \
+  "studies/$study@data.path=runs/corpus_dedup"
+cp runs/$study/cells.jsonl "$out/" 2>/dev/null
+python -m scaleopt.cli study --config $study --out runs/$study --set data.path=runs/corpus_dedup \
+  --report-only > "$out/report.log" 2>&1 && cp runs/$study/summary.md "$out/"
+python -m scaleopt.cli study --config $study --out runs/$study --set data.path=runs/corpus_dedup \
+  --list | tail -1
+for f in runs/worker*.log; do tail -n 40 "$f" > "$out/$(basename "$f")"; done
