@@ -237,9 +237,11 @@ def test_data_prepare_dedup_keeps_near_copies_on_one_side(tmp_path):
 
 @pytest.mark.parametrize("flag", ["0", "1.5"])
 def test_data_prepare_bad_dedup_share_is_one_line(tmp_path, capsys, flag):
-  (tmp_path / "a.txt").write_text("x\n")
-  (tmp_path / "b.txt").write_text("y\n")
-  assert _prepare(tmp_path, tmp_path / "out", "--dedup", flag) == 2
+  src = tmp_path / "src"
+  src.mkdir()
+  (src / "a.txt").write_text("x\n")
+  (src / "b.txt").write_text("y\n")
+  assert _prepare(src, tmp_path / "out", "--dedup", flag) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "--dedup" in err[0] and not (tmp_path / "out").exists()
 
