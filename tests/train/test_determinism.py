@@ -7,6 +7,7 @@ import pytest
 
 from scaleopt.config import ConfigError
 from scaleopt.train import determinism as det
+from train_helpers import tiny_raw
 
 FLAGS = " ".join(det.DETERMINISTIC_XLA_FLAGS)
 
@@ -61,6 +62,68 @@ def test_state_digest_sees_one_bit():
 
 
 # ------------------------------------------------------------------------------------------
+# Attention under XLA's deterministic mode (the platform is a parameter: no GPU needed).
+
+
+def _train_cfg(deterministic=True, **model):
+  from scaleopt.train import config as C
+  return C.from_dict(tiny_raw(run={"deterministic": deterministic}, model=model))
+
+
+def test_deterministic_gpu_runs_resolve_attention_auto_to_xla():
+  cfg = _train_cfg()
+  assert cfg.model.config.attention_impl == "auto"
+  spec = det.model_spec(cfg, platform="gpu", environ={})
+  assert spec.config.attention_impl == "xla"
+  assert spec.config.replace(attention_impl="auto") == cfg.model.config  # nothing else changes
+  assert cfg.model.config.attention_impl == "auto"  # the recorded config keeps the setting
+  assert (spec.section, spec.wd_policy, spec.init_from) == (
+      cfg.model.section, cfg.model.wd_policy, cfg.model.init_from)
+  # a study's process with the flags set for another cell: the same rule for every cell
+  off = _train_cfg(deterministic=False)
+  assert det.model_spec(off, platform="gpu", environ={"XLA_FLAGS": FLAGS}
+                        ).config.attention_impl == "xla"
+  # unchanged: without the mode, on the CPU, or with attention by XLA already
+  assert det.model_spec(off, platform="gpu", environ={}) is off.model
+  assert det.model_spec(cfg, platform="cpu", environ={}) is cfg.model
+  xla = _train_cfg(attention_impl="xla")
+  assert det.model_spec(xla, platform="gpu", environ={}) is xla.model
+
+
+@pytest.mark.parametrize("impl", ["cudnn", "tokamax_mosaic", "tokamax_triton", "tokamax_xla"])
+def test_deterministic_gpu_runs_refuse_cudnn_and_tokamax_attention(impl):
+  cfg = _train_cfg(attention_impl=impl)
+  with pytest.raises(ConfigError, match=f"model.attention_impl={impl} under XLA's "
+                     "deterministic mode on a GPU") as e:
+    det.model_spec(cfg, platform="gpu", environ={})
+  assert "\n" not in str(e.value) and "auto or xla" in str(e.value)
+  if impl == "cudnn":
+    assert "cuDNN attention" in str(e.value)
+  assert det.model_spec(cfg, platform="cpu", environ={}) is cfg.model  # CPU: as before
+  off = _train_cfg(deterministic=False, attention_impl=impl)
+  assert det.model_spec(off, platform="gpu", environ={}) is off.model
+
+
+def test_the_trainer_refuses_cudnn_attention_in_one_line(monkeypatch, tmp_path, capsys):
+  """`scaleopt train` with run.deterministic=true and attention_impl=cudnn on a GPU: exit 2
+  before anything is trained (the trainer's platform set to gpu through model_spec's
+  parameter)."""
+  import functools
+
+  from scaleopt.train import main as train_main
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored afterwards
+  monkeypatch.setattr(det, "model_spec", functools.partial(det.model_spec, platform="gpu"))
+  cfg = tmp_path / "c.yaml"
+  cfg.write_text(yaml.safe_dump(tiny_raw(run={**_RUN, "steps": 10, "progress": False},
+                                         model={"attention_impl": "cudnn"})))
+  rc = train_main.train_main(str(cfg), str(tmp_path / "out"))
+  err = capsys.readouterr().err.strip()
+  assert rc == 2 and len(err.splitlines()) == 1, err
+  assert "model.attention_impl=cudnn" in err and "auto or xla" in err
+  assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------------------
 # Whole runs on the CPU.
 
 import importlib.util
@@ -71,8 +134,6 @@ import subprocess
 import sys
 
 import yaml
-
-from train_helpers import tiny_raw
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("determinism_bench",
