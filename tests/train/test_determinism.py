@@ -222,3 +222,48 @@ def test_the_benchmark_compares_bits_and_times_steps():
   assert bench.compare(a, {"rows": a["rows"][:1], "summary": {}})["differ"] == 3  # step missing
   rows = [{"timed_steps": n, "train_s": 0.5 * n} for n in range(1, 9)]
   assert bench.ms_per_step(rows) == pytest.approx(500.0)
+
+
+def test_the_benchmark_times_against_the_same_and_the_fastest_kernels():
+  cudnn = {"attention": "cudnn", "loss": "pallas", "norm": "pallas", "glu": "xla"}
+  xla = {**cudnn, "attention": "xla"}
+  assert bench.same_kernels(xla, cudnn) == ["model.attention_impl=xla"]
+  assert bench.same_kernels(xla, xla) == [] and bench.same_kernels(None, cudnn) == []
+  run = lambda tag, d, k, ms: {"tag": tag, "deterministic": d, "kernels": k, "ms_per_step": ms}
+  runs = [run("det1", True, xla, 230.0), run("nondet1", False, cudnn, 100.0),
+          run("det2", True, xla, 240.0), run("nondet_same", False, xla, 200.0),
+          run("nondet2", False, cudnn, 120.0)]
+  bench.ratios(runs)
+  got = {r["tag"]: (r["vs_same"], r["vs_fastest"]) for r in runs}
+  assert got["det1"] == (pytest.approx(230 / 200 - 1), pytest.approx(230 / 110 - 1))
+  assert got["det2"] == (pytest.approx(240 / 200 - 1), pytest.approx(240 / 110 - 1))
+  assert got["nondet_same"] == (None, pytest.approx(200 / 110 - 1))
+  assert got["nondet1"] == got["nondet2"] == (None, None)  # the fastest kernels themselves
+  plan = [t for t, _, _ in bench.make_plan(2)]
+  assert plan == ["det1", "nondet1", "det2", "nondet2"]
+
+
+def test_the_benchmark_adds_a_run_with_the_deterministic_kernels(monkeypatch, tmp_path):
+  """Where the deterministic runs resolved to other kernels (a GPU), one run without the
+  switch takes their kernels, fourth; where they agree (the CPU), none is added."""
+  calls = []
+
+  def fake_launch(args, tag, deterministic, log, extra=()):
+    calls.append((tag, list(extra)))
+    attention = "xla" if deterministic or "model.attention_impl=xla" in extra else gpu[0]
+    for opt in args.optimizers.split(","):
+      d = log.parent.parent / "runs" / f"{opt}_{tag}"  # log: OUT/logs/TAG.log
+      d.mkdir(parents=True, exist_ok=True)
+      (d / "summary.json").write_text(json.dumps({"kernels": {"attention": attention}}))
+    return 0
+
+  monkeypatch.setattr(bench, "launch", fake_launch)
+  args = type("A", (), {"nondet_runs": 2, "deadline": 0.0, "optimizers": "adamw,loo"})
+  gpu = ["cudnn"]
+  plan, rcs = bench.run_plan(args, tmp_path, ["adamw", "loo"])
+  assert [c[0] for c in calls] == ["det1", "nondet1", "det2", "nondet_same", "nondet2"]
+  assert dict(calls)["nondet_same"] == ["model.attention_impl=xla"] and len(rcs) == 5
+  calls.clear()
+  gpu[0] = "xla"
+  bench.run_plan(args, tmp_path / "cpu", ["adamw", "loo"])
+  assert [c[0] for c in calls] == ["det1", "nondet1", "det2", "nondet2"]
