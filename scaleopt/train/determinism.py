@@ -15,8 +15,8 @@ losses and parameters at every step when every source of run-to-run variation is
   for its deterministic kernels.
 * Attention by XLA on a GPU (``model_config``): ``model.attention_impl: auto`` resolves to
   ``xla`` while the deterministic mode is on; ``cudnn`` and tokamax's attentions are refused
-  (XLA's deterministic mode does not run the training step with cuDNN attention in the jax
-  versions this was checked with, and tokamax's kernels are not checked).
+  (XLA's deterministic mode does not run the training step with cuDNN attention in this jax
+  version; tokamax's kernels are not checked for run-to-run equality).
 * The repository's Pallas kernels (loss rows, residual add + RMS norm) give each row to one
   program and use no atomics; XLA's reductions on GPU are deterministic.
 
