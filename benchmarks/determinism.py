@@ -8,7 +8,12 @@ Trains each optimizer (``adamw``: the paper's AdamW baseline; ``loo``: one-pass 
 Jensen term, the bc_paper_gpt2 study's ``loo`` arm) with ``scaleopt train`` in fresh
 processes, one process per pass over the optimizers: ``run.deterministic=true`` twice and
 ``false`` ``--nondet-runs`` times, interleaved (det, nondet, det, ...), so that each
-deterministic pair crosses a process boundary (another compile, another autotuning). Every
+deterministic pair crosses a process boundary (another compile, another autotuning). Where the
+deterministic runs resolved to other kernels than the first ``false`` run (on a GPU attention
+``auto`` is XLA's under the switch and cuDNN's without), one more ``false`` process
+(``nondet_same``) runs with the deterministic runs' kernels set explicitly, so that the cost
+is given both against the same kernels without the switch and against the fastest ``false``
+run. Every
 value of every ``metrics.jsonl`` row except the timing columns is compared bit for bit
 (IEEE-754 float64 bits of the JSON numbers, which hold the float32 values exactly), and the
 deterministic runs' ``state_sha256`` (a digest of the final parameters and optimizer state).
@@ -40,6 +45,9 @@ import sys
 import time
 
 TIMING = {"tokens_per_s", "wall_s", "train_s", "timed_steps", "mfu"}
+# summary.json's ``kernels`` entry -> the model setting that chooses it
+KERNEL_SETTINGS = {"attention": "model.attention_impl", "loss": "model.loss_kernel",
+                   "norm": "model.norm_kernel", "glu": "model.glu_kernel"}
 PAPER_STEP = [
     "data.seq_len=1024", "data.batch_size=512", "data.microbatches=64", "model.vocab_size=32768",
     "model.wd_policy=all", "optimizer.weight_decay=0.1", "optimizer.clip_norm=1.0",
@@ -191,14 +199,14 @@ def ms_per_step(rows: list[dict]) -> float | None:
   return 1e3 * (b["train_s"] - a["train_s"]) / n if n > 0 else None
 
 
-def launch(args, tag: str, deterministic: bool, log: pathlib.Path) -> int:
+def launch(args, tag: str, deterministic: bool, log: pathlib.Path, extra=()) -> int:
   cmd = [sys.executable, __file__, "--worker", "--tag", tag, "--out", args.out,
          "--steps", str(args.steps), "--optimizers", args.optimizers, "--config", args.config,
          "--shape", args.shape, "--deadline", str(args.deadline or 0)]
   cmd += ["--deterministic"] if deterministic else []
   cmd += ["--no-probe"] if args.no_probe else []
   cmd += ["--data", args.data] if args.data else []
-  for s in args.set:
+  for s in [*args.set, *extra]:
     cmd += ["--set", s]
   timeout = max(30, args.deadline - time.time()) if args.deadline else None
   with open(log, "w") as f:
@@ -208,30 +216,65 @@ def launch(args, tag: str, deterministic: bool, log: pathlib.Path) -> int:
       return 124
 
 
+def kernels_key(kernels) -> str:
+  return json.dumps(kernels or {}, sort_keys=True)
+
+
+def same_kernels(det_kernels, nondet_kernels) -> list[str]:
+  """The ``--set`` list that gives a run without the switch the deterministic run's kernels
+  (empty where the two already agree or either is unknown)."""
+  if not det_kernels or not nondet_kernels:
+    return []
+  return [f"{KERNEL_SETTINGS[k]}={v}" for k, v in sorted(det_kernels.items())
+          if k in KERNEL_SETTINGS and v != "none" and v != nondet_kernels.get(k)]
+
+
+def ratios(runs: list[dict]) -> None:
+  """Adds to each run ``vs_same`` (ms/step over the mean of the ``false`` runs with the same
+  kernels - 1; deterministic runs) and ``vs_fastest`` (over the fastest kernel set's mean
+  ``false`` ms/step - 1; every run with other kernels or the switch)."""
+  groups = {}
+  for r in runs:
+    if not r["deterministic"] and r["ms_per_step"]:
+      groups.setdefault(kernels_key(r["kernels"]), []).append(r["ms_per_step"])
+  means = {k: sum(v) / len(v) for k, v in groups.items()}
+  fastest = min(means, key=means.get) if means else None
+  for r in runs:
+    ms, key = r["ms_per_step"], kernels_key(r["kernels"])
+    r["vs_same"] = ms / means[key] - 1 if ms and r["deterministic"] and key in means else None
+    r["vs_fastest"] = (ms / means[fastest] - 1 if ms and fastest and
+                       (r["deterministic"] or key != fastest) else None)
+
+
+def _pct(x) -> str:
+  return "-" if x is None else f"{x:+.1%}"
+
+
 def table(res: dict, device: str) -> str:
   lines = [f"Device: {device}. {res['steps']} steps per run; ms/step over the steps after the "
-           "first quarter (the trainer's training time); `equal`: every non-timing value of "
-           "every metrics row, bit for bit, against the first run of the same setting (another "
-           "process); the state digest is recorded by deterministic runs.", "",
-           "| optimizer | deterministic | run | ms/step | vs deterministic=false | compile s | "
-           "values compared | bitwise equal to the setting's first run | state digest equal |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "first quarter (the trainer's training time); attention: the kernel the run ran "
+           "(summary.json's `kernels`); `vs false, same kernels`: against the runs without the "
+           "switch that ran the same kernels; `vs fastest false`: against the fastest kernels "
+           "without the switch; `equal`: every non-timing value of every metrics row, bit for "
+           "bit, against the first run of the same setting and kernels (another process); the "
+           "state digest is recorded by deterministic runs.", "",
+           "| optimizer | deterministic | run | attention | ms/step | vs `false`, same kernels | "
+           "vs fastest `false` | compile s | values compared | bitwise equal to the setting's "
+           "first run | state digest equal |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for opt, o in res["optimizers"].items():
-    base = [r["ms_per_step"] for r in o["runs"] if not r["deterministic"] and r["ms_per_step"]]
-    base_ms = sum(base) / len(base) if base else None
     for r in o["runs"]:
       c = r.get("vs_first") or {}
       ms = r["ms_per_step"]
-      rel = f"{ms / base_ms - 1:+.1%}" if ms and base_ms and r["deterministic"] else "-"
       eq = "-" if not c else ("yes" if c["differ"] == 0 else
                               f"no: {c['differ']} differ, first step {c['first']['step']} "
                               f"`{c['first']['key']}`")
       st = "-" if c.get("state_equal") is None else ("yes" if c["state_equal"] else "no")
-      lines.append(f"| {opt} | {str(r['deterministic']).lower()} | {r['tag']} | "
-                   f"{ms:.1f} | {rel} | {r['compile_s'] or 0:.0f} | {c.get('values', '-')} | "
-                   f"{eq} | {st} |" if ms else
-                   f"| {opt} | {str(r['deterministic']).lower()} | {r['tag']} | - | - | - | - | "
-                   f"{eq} | {st} |")
+      attention = (r.get("kernels") or {}).get("attention", "?")
+      timing = (f"{ms:.1f} | {_pct(r.get('vs_same'))} | {_pct(r.get('vs_fastest'))} | "
+                f"{r['compile_s'] or 0:.0f}" if ms else "- | - | - | -")
+      lines.append(f"| {opt} | {str(r['deterministic']).lower()} | {r['tag']} | {attention} | "
+                   f"{timing} | {c.get('values', '-')} | {eq} | {st} |")
   probes = res.get("probes") or {}
   if probes:
     lines += ["", "Single operations, five calls on the same inputs in each process: distinct "
@@ -241,6 +284,54 @@ def table(res: dict, device: str) -> str:
     for n in names:
       lines.append(f"| {n} | " + " | ".join(str(p.get(n, "-")) for p in probes.values()) + " |")
   return "\n".join(lines) + "\n"
+
+
+def first_kernels(out: pathlib.Path, tag: str, optimizers: list[str]):
+  """summary.json's ``kernels`` of the first optimizer's run in process ``tag`` (None if none
+  finished)."""
+  for opt in optimizers:
+    k = read_run(out / "runs" / f"{opt}_{tag}")["summary"].get("kernels")
+    if k:
+      return k
+  return None
+
+
+def make_plan(nondet_runs: int) -> list[list]:
+  """[tag, deterministic, extra --set list] in launch order."""
+  plan = [["det1", True, []]]
+  for i in range(max(nondet_runs, 0)):
+    plan.append([f"nondet{i + 1}", False, []])
+    if i == 0:
+      plan.append(["det2", True, []])
+  if nondet_runs <= 0:
+    plan.append(["det2", True, []])
+  return plan
+
+
+def run_plan(args, out: pathlib.Path, optimizers: list[str]) -> tuple[list, dict]:
+  """Launches the plan's processes while the deadline allows; after det1 and nondet1 adds
+  ``nondet_same`` (fourth) where their kernels differ. Returns the plan and exit codes."""
+  plan = make_plan(args.nondet_runs)
+  rcs, longest, i = {}, 45.0, 0
+  while i < len(plan):
+    tag, d, extra = plan[i]
+    # det1, nondet1 and det2 (the check and the cost) start while a minute is left; a further
+    # run only where the longest process so far fits
+    need = 60.0 if i < 3 else longest
+    if args.deadline and time.time() + need > args.deadline:
+      print(f"deadline: {tag} not started (a process took up to {longest:.0f} s)", flush=True)
+    else:
+      t0 = time.time()
+      rcs[tag] = launch(args, tag, d, out / "logs" / f"{tag}.log", extra)
+      longest = max(longest, time.time() - t0)
+      print(f"{tag}: exit {rcs[tag]} in {time.time() - t0:.0f} s", flush=True)
+    if {"det1", "nondet1"} <= set(rcs) and not any(p[0] == "nondet_same" for p in plan):
+      sets = same_kernels(first_kernels(out, "det1", optimizers),
+                          first_kernels(out, "nondet1", optimizers))
+      if sets:
+        plan.insert(max(i + 1, 3), ["nondet_same", False, sets])
+    i += 1
+  return plan, rcs
 
 
 def main(argv=None) -> int:
@@ -263,28 +354,11 @@ def main(argv=None) -> int:
     return worker(args)
   out = pathlib.Path(args.out)
   (out / "logs").mkdir(parents=True, exist_ok=True)
-  plan = [("det1", True)]
-  for i in range(max(args.nondet_runs, 0)):
-    plan.append((f"nondet{i + 1}", False))
-    if i == 0:
-      plan.append(("det2", True))
-  if args.nondet_runs <= 0:
-    plan.append(("det2", True))
-  rcs, longest = {}, 45.0
-  for i, (tag, d) in enumerate(plan):
-    # det1, nondet1 and det2 (the check and the cost) start while a minute is left; a further
-    # run only where the longest process so far fits
-    need = 60.0 if i < 3 else longest
-    if args.deadline and time.time() + need > args.deadline:
-      print(f"deadline: {tag} not started (a process took up to {longest:.0f} s)", flush=True)
-      continue
-    t0 = time.time()
-    rcs[tag] = launch(args, tag, d, out / "logs" / f"{tag}.log")
-    longest = max(longest, time.time() - t0)
-    print(f"{tag}: exit {rcs[tag]} in {time.time() - t0:.0f} s", flush=True)
+  optimizers = args.optimizers.split(",")
+  plan, rcs = run_plan(args, out, optimizers)
   res = {"steps": args.steps, "plan": plan, "exit": rcs, "optimizers": {}, "probes": {}}
   device = "?"
-  for tag, _ in plan:
+  for tag, _, _ in plan:
     w = out / f"worker_{tag}.json"
     if w.is_file():
       rec = json.loads(w.read_text())
@@ -292,23 +366,26 @@ def main(argv=None) -> int:
         res["probes"][tag] = rec["probe"]
       res.setdefault("xla_flags", {})[tag] = rec["xla_flags"]
   ok = True
-  for opt in args.optimizers.split(","):
+  for opt in optimizers:
     runs, first = [], {}
-    for tag, d in plan:
+    for tag, d, extra in plan:
       run = read_run(out / "runs" / f"{opt}_{tag}")
       if not run["rows"]:
         continue
       prov = run["summary"].get("provenance") or {}
       device = prov.get("device_kind", device)
-      r = {"tag": tag, "deterministic": d, "ms_per_step": ms_per_step(run["rows"]),
-           "compile_s": run["summary"].get("compile_s"),
+      kernels = run["summary"].get("kernels")
+      r = {"tag": tag, "deterministic": d, "sets": extra, "kernels": kernels,
+           "ms_per_step": ms_per_step(run["rows"]), "compile_s": run["summary"].get("compile_s"),
            "final_train_loss": run["summary"].get("final_train_loss"),
            "state_sha256": run["summary"].get("state_sha256"), "provenance": prov}
-      if d in first:  # against the first run of the same setting
-        r["vs_first"] = compare(first[d], run)
+      setting = (d, kernels_key(kernels))
+      if setting in first:  # against the first run of the same setting and kernels
+        r["vs_first"] = compare(first[setting], run)
       else:
-        first[d] = run
+        first[setting] = run
       runs.append(r)
+    ratios(runs)
     dets = [r for r in runs if r["deterministic"]]
     ok &= len(dets) >= 2 and all(r.get("vs_first", {}).get("differ", 1) == 0 and
                                  r["vs_first"].get("state_equal") for r in dets[1:])

@@ -10,6 +10,9 @@
 # the worker logs' tails and the corpus log; merge cells.jsonl into
 # docs/studies/bc_paper_gpt2/ and rebuild the report with --report-only.
 # SCALEOPT_CELLS='loo_base_sched/*' (globs) limits the workers to those cells.
+# Provenance: the device's copy of the tree has no .git, so the cells record the commit from
+# SCALEOPT_COMMIT=<sha of the tree sent> (and SCALEOPT_DIRTY=1 when the tree differs from it),
+# named in the call as text; gpus.txt records them.
 # BENCH="command" runs a benchmark beside the study on BENCH_GPUS (default: the last GPU; the
 # workers take the others), killed at the deadline; its output goes to $OUT/bench.log. The
 # benchmark scripts pick their GPUs within CUDA_VISIBLE_DEVICES, which is set to BENCH_GPUS.
@@ -33,7 +36,14 @@ if [ ! -f runs/bc_paper_gpt2/.committed_cells_merged ]; then
   touch runs/bc_paper_gpt2/.committed_cells_merged
 fi
 rm -f runs/worker*.log  # a GPU that runs no worker this call returns no old log
-{ nvidia-smi -L; echo "XLA_FLAGS=${XLA_FLAGS:-}"; } > "$out/gpus.txt" 2>&1
+if [ ! -e .git ] && [ -z "${SCALEOPT_COMMIT:-}" ]; then
+  echo "note: no .git and no SCALEOPT_COMMIT: the cells record commit null" >&2
+fi
+[ -z "${SCALEOPT_COMMIT:-}" ] || export SCALEOPT_COMMIT
+[ -z "${SCALEOPT_DIRTY:-}" ] || export SCALEOPT_DIRTY
+{ nvidia-smi -L; echo "XLA_FLAGS=${XLA_FLAGS:-}";
+  echo "SCALEOPT_COMMIT=${SCALEOPT_COMMIT:-} SCALEOPT_DIRTY=${SCALEOPT_DIRTY:-}"; } \
+  > "$out/gpus.txt" 2>&1
 if [ ! -f runs/corpus/manifest.json ]; then
   nice python scripts/offline_corpus.py --out runs/corpus --val-fraction 0.04 \
     > "$out/corpus.log" 2>&1 || { tail -20 "$out/corpus.log"; exit 1; }

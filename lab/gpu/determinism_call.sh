@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
 # One device call on one GPU (H100 or H200), from the repo root of the device's copy:
-#   [STEPS=16] [NONDET_RUNS=2] [SECONDS_MAX=440] [DATA=runs/corpus] OUT=$OUT \
-#     bash lab/gpu/determinism_call.sh
+#   SCALEOPT_COMMIT=<sha of the tree sent> [STEPS=12] [NONDET_RUNS=2] [SECONDS_MAX=440] \
+#     [DATA=runs/corpus] OUT=$OUT bash lab/gpu/determinism_call.sh
 # run.deterministic at the paper's step (gpt2-small, 512 x 1024 tokens as 64 microbatches of 8,
 # configs/studies/bc_paper_gpt2.yaml's settings) for AdamW and one-pass LOO (the study's `loo`
 # arm): benchmarks/determinism.py trains both optimizers STEPS steps in each of the processes
-# det1, nondet1, det2, nondet2 (one process each, in that order; the first three start while a
-# minute of SECONDS_MAX is left, nondet2 only if the longest process so far fits), compares every logged value of det1 and det2 bit for bit (and the
-# final state's digest), and times each run (ms/step after the first quarter of the steps).
+# det1, nondet1, det2, nondet_same, nondet2 (one process each, in that order). Under the switch
+# attention `auto` runs by XLA (on a GPU XLA's deterministic mode does not run the cuDNN
+# attention step); without it `auto` is cuDNN, the fastest step. nondet_same trains without the
+# switch with the deterministic runs' kernels (attention by XLA), so that the table gives the
+# switch's cost against the same kernels and against the fastest step. The first three start
+# while a minute of SECONDS_MAX is left, the others only if the longest process so far fits.
+# It compares every logged value of det1 and det2 bit for bit (and the final state's digest),
+# and times each run (ms/step after the first quarter of the steps).
 # Each process first calls a few single operations five times (cuDNN attention forward +
 # backward, the embedding gradient's scatter-add, a matmul) and counts distinct results.
 # Data: the embedded corpus, or DATA (default runs/corpus when a bc_paper call left it there).
 # $OUT gets determinism.md (the table), determinism.json (everything), logs.txt (the tail of
 # each process's log) and gpus.txt. Exit 0 when every deterministic pair is bitwise equal.
-# SCALEOPT_COMMIT=<sha> (and SCALEOPT_DIRTY=0/1) put the commit into the runs' provenance where
-# the device's copy of the tree has no .git.
+# Provenance: the device's copy of the tree has no .git, so the runs record the commit from
+# SCALEOPT_COMMIT (and SCALEOPT_DIRTY=1 when the tree sent differs from it); name them in the
+# call (the sha as text: the device has no git). gpus.txt records them.
 # BENCH_ARGS: more arguments of benchmarks/determinism.py (a CPU check of this script:
 # BENCH_ARGS="--config configs/train/tiny.yaml --shape config --no-probe" STEPS=4).
 set -uo pipefail
@@ -27,10 +33,16 @@ mkdir -p "$out" runs
 rm -rf "$work"
 data=${DATA:-}
 [ -n "$data" ] || [ ! -f runs/corpus/manifest.json ] || data=runs/corpus
+if [ ! -e .git ] && [ -z "${SCALEOPT_COMMIT:-}" ]; then
+  echo "note: no .git and no SCALEOPT_COMMIT: the runs record commit null" >&2
+fi
+[ -z "${SCALEOPT_COMMIT:-}" ] || export SCALEOPT_COMMIT
+[ -z "${SCALEOPT_DIRTY:-}" ] || export SCALEOPT_DIRTY
 { nvidia-smi -L; echo "XLA_FLAGS=${XLA_FLAGS:-}"; echo "DATA=${data:-embedded}";
+  echo "SCALEOPT_COMMIT=${SCALEOPT_COMMIT:-} SCALEOPT_DIRTY=${SCALEOPT_DIRTY:-}";
   python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)"; } \
   > "$out/gpus.txt" 2>&1
-python benchmarks/determinism.py --out "$work" --steps "${STEPS:-16}" \
+python benchmarks/determinism.py --out "$work" --steps "${STEPS:-12}" \
   --nondet-runs "${NONDET_RUNS:-2}" --deadline $(( start + limit )) \
   ${data:+--data "$data"} ${BENCH_ARGS:-} > "$work.log" 2>&1
 rc=$?

@@ -7,13 +7,16 @@ losses and parameters at every step when every source of run-to-run variation is
   made by one background thread in order (``loop.Prefetch``); the held-out windows by a fixed
   seed. No other host random numbers enter a step. (Deterministic with or without the switch.)
 * initialization and per-step keys: ``jax.random`` from ``run.seed`` (also without it).
-* XLA's GPU programs: ``DETERMINISTIC_XLA_FLAGS``. ``--xla_gpu_deterministic_ops`` makes XLA
-  (a) compile scatter (the token embedding's gradient) without atomics, (b) run cuBLAS
-  without atomic split-K reductions, (c) pick the first valid kernel configuration instead of
-  timing candidates (autotuning by timing picks different GEMM kernels in different processes,
-  hence different roundings), and (d) ask cuDNN for its deterministic flash-attention backward
-  (the default backward accumulates dQ with atomics). ``--xla_gpu_autotune_level=0`` also
-  turns timing-based autotuning off, for XLA versions whose deterministic switch does not.
+* XLA's GPU programs: ``DETERMINISTIC_XLA_FLAGS``, XLA's deterministic mode
+  (``--xla_gpu_deterministic_ops``). It makes XLA (a) compile scatter (the token embedding's
+  gradient) without atomics, (b) run cuBLAS without atomic split-K reductions, (c) pick the
+  first valid kernel configuration instead of timing candidates (autotuning by timing picks
+  different GEMM kernels in different processes, hence different roundings) and (d) ask cuDNN
+  for its deterministic kernels.
+* Attention by XLA on a GPU (``model_config``): ``model.attention_impl: auto`` resolves to
+  ``xla`` while the deterministic mode is on; ``cudnn`` and tokamax's attentions are refused
+  (XLA's deterministic mode does not run the training step with cuDNN attention in this jax
+  version; tokamax's kernels are not checked for run-to-run equality).
 * The repository's Pallas kernels (loss rows, residual add + RMS norm) give each row to one
   program and use no atomics; XLA's reductions on GPU are deterministic.
 
@@ -30,6 +33,7 @@ thread count with or without the flags (XLA ignores GPU flags there).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from typing import Any, Optional
@@ -38,7 +42,7 @@ import numpy as np
 
 from scaleopt.config import ConfigError
 
-DETERMINISTIC_XLA_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_gpu_autotune_level=0")
+DETERMINISTIC_XLA_FLAGS = ("--xla_gpu_deterministic_ops=true",)
 
 
 def _flag_values(flags: str) -> dict:
@@ -98,6 +102,45 @@ def prepare(deterministic: bool, environ=os.environ, started: Optional[bool] = N
         "run.deterministic=true, but JAX started its GPU backend without "
         f"{' '.join(missing)} in XLA_FLAGS (XLA reads them once, at start-up); start "
         "through `scaleopt train` / `scaleopt study`, or export XLA_FLAGS with them first")
+
+
+def xla_deterministic(environ=os.environ) -> bool:
+  """Whether this process's XLA_FLAGS turn XLA's deterministic mode on (``prepare`` put
+  them there, or the environment did: a study sets them for all its cells)."""
+  return not missing_flags(environ.get("XLA_FLAGS", ""))
+
+
+def model_config(cfg: Any, deterministic: bool, platform: str) -> Any:
+  """The ``ModelConfig`` a run builds from ``cfg``: unchanged unless ``deterministic`` (XLA's
+  deterministic mode is on) and ``platform`` is ``gpu``; then attention runs by XLA:
+  ``attention_impl: auto`` becomes ``xla``, and ``cudnn`` or a tokamax attention is a
+  ConfigError in one line."""
+  impl = cfg.attention_impl
+  if not deterministic or platform != "gpu" or impl == "xla":
+    return cfg
+  if impl == "auto":
+    return cfg.replace(attention_impl="xla")
+  why = ("XLA's deterministic mode does not run the training step with cuDNN attention in this "
+         "jax version" if impl == "cudnn" else
+         "tokamax's attention is not checked for run-to-run equality")
+  raise ConfigError(f"model.attention_impl={impl} under XLA's deterministic mode on a GPU "
+                    f"(run.deterministic=true): {why}; "
+                    "set model.attention_impl to auto or xla")
+
+
+def model_spec(cfg: Any, platform: Optional[str] = None, environ=os.environ) -> Any:
+  """The model section (``ModelSpec``) a training config ``cfg`` builds: under XLA's
+  deterministic mode (``cfg.run.deterministic``, or the process's XLA_FLAGS) its model config
+  from ``model_config`` on ``platform`` (default: JAX's default backend). ``cfg``, which the
+  run records and resumes with, is not changed."""
+  if not (cfg.run.deterministic or xla_deterministic(environ)):
+    return cfg.model
+  if platform is None:
+    import jax
+    platform = jax.default_backend()
+  model_cfg = model_config(cfg.model.config, True, platform)
+  return cfg.model if model_cfg is cfg.model.config else dataclasses.replace(cfg.model,
+                                                                              config=model_cfg)
 
 
 def wanted(raw: Any) -> bool:

@@ -56,7 +56,7 @@ def setup(cfg: TrainConfig) -> Setup:
   mesh_lib.maybe_initialize_distributed(cfg.mesh.distributed)
   metrics.check_outputs(cfg.run.wandb, cfg.run.profile, cfg.run.tensorboard)
   cfg = bridge.with_source_architecture(cfg)
-  model = bridge.make_model(cfg.model)
+  model = bridge.make_model(determinism.model_spec(cfg))  # attention by XLA in its mode
   if model.init_from:
     try:
       convert.check_matches(convert.open_source(model.init_from), model.cfg)

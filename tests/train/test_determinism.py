@@ -7,6 +7,7 @@ import pytest
 
 from scaleopt.config import ConfigError
 from scaleopt.train import determinism as det
+from train_helpers import tiny_raw
 
 FLAGS = " ".join(det.DETERMINISTIC_XLA_FLAGS)
 
@@ -61,6 +62,68 @@ def test_state_digest_sees_one_bit():
 
 
 # ------------------------------------------------------------------------------------------
+# Attention under XLA's deterministic mode (the platform is a parameter: no GPU needed).
+
+
+def _train_cfg(deterministic=True, **model):
+  from scaleopt.train import config as C
+  return C.from_dict(tiny_raw(run={"deterministic": deterministic}, model=model))
+
+
+def test_deterministic_gpu_runs_resolve_attention_auto_to_xla():
+  cfg = _train_cfg()
+  assert cfg.model.config.attention_impl == "auto"
+  spec = det.model_spec(cfg, platform="gpu", environ={})
+  assert spec.config.attention_impl == "xla"
+  assert spec.config.replace(attention_impl="auto") == cfg.model.config  # nothing else changes
+  assert cfg.model.config.attention_impl == "auto"  # the recorded config keeps the setting
+  assert (spec.section, spec.wd_policy, spec.init_from) == (
+      cfg.model.section, cfg.model.wd_policy, cfg.model.init_from)
+  # a study's process with the flags set for another cell: the same rule for every cell
+  off = _train_cfg(deterministic=False)
+  assert det.model_spec(off, platform="gpu", environ={"XLA_FLAGS": FLAGS}
+                        ).config.attention_impl == "xla"
+  # unchanged: without the mode, on the CPU, or with attention by XLA already
+  assert det.model_spec(off, platform="gpu", environ={}) is off.model
+  assert det.model_spec(cfg, platform="cpu", environ={}) is cfg.model
+  xla = _train_cfg(attention_impl="xla")
+  assert det.model_spec(xla, platform="gpu", environ={}) is xla.model
+
+
+@pytest.mark.parametrize("impl", ["cudnn", "tokamax_mosaic", "tokamax_triton", "tokamax_xla"])
+def test_deterministic_gpu_runs_refuse_cudnn_and_tokamax_attention(impl):
+  cfg = _train_cfg(attention_impl=impl)
+  with pytest.raises(ConfigError, match=f"model.attention_impl={impl} under XLA's "
+                     "deterministic mode on a GPU") as e:
+    det.model_spec(cfg, platform="gpu", environ={})
+  assert "\n" not in str(e.value) and "auto or xla" in str(e.value)
+  if impl == "cudnn":
+    assert "cuDNN attention" in str(e.value)
+  assert det.model_spec(cfg, platform="cpu", environ={}) is cfg.model  # CPU: as before
+  off = _train_cfg(deterministic=False, attention_impl=impl)
+  assert det.model_spec(off, platform="gpu", environ={}) is off.model
+
+
+def test_the_trainer_refuses_cudnn_attention_in_one_line(monkeypatch, tmp_path, capsys):
+  """`scaleopt train` with run.deterministic=true and attention_impl=cudnn on a GPU: exit 2
+  before anything is trained (the trainer's platform set to gpu through model_spec's
+  parameter)."""
+  import functools
+
+  from scaleopt.train import main as train_main
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored afterwards
+  monkeypatch.setattr(det, "model_spec", functools.partial(det.model_spec, platform="gpu"))
+  cfg = tmp_path / "c.yaml"
+  cfg.write_text(yaml.safe_dump(tiny_raw(run={**_RUN, "steps": 10, "progress": False},
+                                         model={"attention_impl": "cudnn"})))
+  rc = train_main.train_main(str(cfg), str(tmp_path / "out"))
+  err = capsys.readouterr().err.strip()
+  assert rc == 2 and len(err.splitlines()) == 1, err
+  assert "model.attention_impl=cudnn" in err and "auto or xla" in err
+  assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------------------
 # Whole runs on the CPU.
 
 import importlib.util
@@ -71,8 +134,6 @@ import subprocess
 import sys
 
 import yaml
-
-from train_helpers import tiny_raw
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("determinism_bench",
@@ -161,3 +222,48 @@ def test_the_benchmark_compares_bits_and_times_steps():
   assert bench.compare(a, {"rows": a["rows"][:1], "summary": {}})["differ"] == 3  # step missing
   rows = [{"timed_steps": n, "train_s": 0.5 * n} for n in range(1, 9)]
   assert bench.ms_per_step(rows) == pytest.approx(500.0)
+
+
+def test_the_benchmark_times_against_the_same_and_the_fastest_kernels():
+  cudnn = {"attention": "cudnn", "loss": "pallas", "norm": "pallas", "glu": "xla"}
+  xla = {**cudnn, "attention": "xla"}
+  assert bench.same_kernels(xla, cudnn) == ["model.attention_impl=xla"]
+  assert bench.same_kernels(xla, xla) == [] and bench.same_kernels(None, cudnn) == []
+  run = lambda tag, d, k, ms: {"tag": tag, "deterministic": d, "kernels": k, "ms_per_step": ms}
+  runs = [run("det1", True, xla, 230.0), run("nondet1", False, cudnn, 100.0),
+          run("det2", True, xla, 240.0), run("nondet_same", False, xla, 200.0),
+          run("nondet2", False, cudnn, 120.0)]
+  bench.ratios(runs)
+  got = {r["tag"]: (r["vs_same"], r["vs_fastest"]) for r in runs}
+  assert got["det1"] == (pytest.approx(230 / 200 - 1), pytest.approx(230 / 110 - 1))
+  assert got["det2"] == (pytest.approx(240 / 200 - 1), pytest.approx(240 / 110 - 1))
+  assert got["nondet_same"] == (None, pytest.approx(200 / 110 - 1))
+  assert got["nondet1"] == got["nondet2"] == (None, None)  # the fastest kernels themselves
+  plan = [t for t, _, _ in bench.make_plan(2)]
+  assert plan == ["det1", "nondet1", "det2", "nondet2"]
+
+
+def test_the_benchmark_adds_a_run_with_the_deterministic_kernels(monkeypatch, tmp_path):
+  """Where the deterministic runs resolved to other kernels (a GPU), one run without the
+  switch takes their kernels, fourth; where they agree (the CPU), none is added."""
+  calls = []
+
+  def fake_launch(args, tag, deterministic, log, extra=()):
+    calls.append((tag, list(extra)))
+    attention = "xla" if deterministic or "model.attention_impl=xla" in extra else gpu[0]
+    for opt in args.optimizers.split(","):
+      d = log.parent.parent / "runs" / f"{opt}_{tag}"  # log: OUT/logs/TAG.log
+      d.mkdir(parents=True, exist_ok=True)
+      (d / "summary.json").write_text(json.dumps({"kernels": {"attention": attention}}))
+    return 0
+
+  monkeypatch.setattr(bench, "launch", fake_launch)
+  args = type("A", (), {"nondet_runs": 2, "deadline": 0.0, "optimizers": "adamw,loo"})
+  gpu = ["cudnn"]
+  plan, rcs = bench.run_plan(args, tmp_path, ["adamw", "loo"])
+  assert [c[0] for c in calls] == ["det1", "nondet1", "det2", "nondet_same", "nondet2"]
+  assert dict(calls)["nondet_same"] == ["model.attention_impl=xla"] and len(rcs) == 5
+  calls.clear()
+  gpu[0] = "xla"
+  bench.run_plan(args, tmp_path / "cpu", ["adamw", "loo"])
+  assert [c[0] for c in calls] == ["det1", "nondet1", "det2", "nondet2"]
