@@ -44,11 +44,9 @@ import optax
 
 from scaleopt.optim.collect import (BCStats, CollectorSpec, StateHooks, Static,
                                     register_bc_state)
-from scaleopt.optim.shampoo_lib import PRECISIONS, blocking, eigh_damped, from_blocks, to_blocks
-from scaleopt.optim.shampoo_lib.blocking import _major_dims
-from scaleopt.optim.shampoo_lib.placement import _batched_by_size, _on_owner
-from scaleopt.optim.shampoo_lib.state import _is_masked
-from scaleopt.optim.adam_bc import check_choice
+from scaleopt.optim.shampoo_lib import (PRECISIONS, batched_by_size, blocking, eigh_damped,
+                                        from_blocks, major_dims, on_owner, to_blocks)
+from scaleopt.optim.tree_utils import check_choice, is_masked
 
 PyTree = Any
 
@@ -81,14 +79,14 @@ def _plan(tree, exclude, max_dim, block_size, block_major, block_shards) -> dict
   """{str(i): (Blocking, use_L, use_R)} of the flattened leaves that get a factor: rank >= 2
   (a rank-2 tensor whose first dim is a stack size of a rank >= 3 tensor is a stack of
   vectors), not excluded, with a side of at most ``max_dim``."""
-  leaves, td = jax.tree.flatten(tree, is_leaf=_is_masked)
+  leaves, td = jax.tree.flatten(tree, is_leaf=is_masked)
   excl = ([False] * len(leaves) if exclude is None else
           td.flatten_up_to(exclude(tree) if callable(exclude) else exclude))
-  stacks = {x.shape[0] for x in leaves if not _is_masked(x) and x.ndim >= 3}
-  dims = _major_dims(tree, block_major)
+  stacks = {x.shape[0] for x in leaves if not is_masked(x) and x.ndim >= 3}
+  dims = major_dims(tree, block_major)
   out = {}
   for i, x in enumerate(leaves):
-    if _is_masked(x) or excl[i] or x.ndim < 2 or (x.ndim == 2 and x.shape[0] in stacks):
+    if is_masked(x) or excl[i] or x.ndim < 2 or (x.ndim == 2 and x.shape[0] in stacks):
       continue
     use = (x.shape[-2] <= max_dim, x.shape[-1] <= max_dim)
     if any(use):
@@ -128,7 +126,7 @@ def _sorted_power_step(fac: dict, nu: dict, precision) -> tuple[dict, dict]:
       idx = jnp.argsort(-jnp.sum(q * aq, axis=1), axis=-1)  # (n, s), stable
       mats[(k, side)] = jnp.take_along_axis(aq, idx[:, None, :], axis=2)
       nu[k] = jnp.take_along_axis(nu[k], jnp.expand_dims(idx, 3 - ax), axis=ax)
-  qs = _batched_by_size(mats, _qr_q)
+  qs = batched_by_size(mats, _qr_q)
   return _with_bases(fac, qs), nu
 
 
@@ -151,7 +149,7 @@ def _first_bases(fac: dict) -> dict:
   """Eigenvectors of every L, R, eigenvalues descending."""
   mats = {(k, s): a for k, f in fac.items() for s, a in (("L", f.L), ("R", f.R))
           if a is not None}
-  qs = _batched_by_size(mats, lambda x: jnp.flip(eigh_damped(x, 0.0, 0.0)[1], -1))
+  qs = batched_by_size(mats, lambda x: jnp.flip(eigh_damped(x, 0.0, 0.0)[1], -1))
   return _with_bases(fac, qs)
 
 
@@ -162,16 +160,16 @@ def _with_bases(fac, qs):
 
 def _init_leaf(x, p):
   """(mu, nu, factors or None) of one leaf with plan entry ``p`` (None: no factor)."""
-  if _is_masked(x):
+  if is_masked(x):
     return x, x, None
   mu = jnp.zeros(x.shape, jnp.float32)
   if p is None:
     return mu, jnp.zeros(x.shape, jnp.float32), None
   blk, use_l, use_r = p
   n = math.prod(x.shape[:-2]) * blk.nb1 * blk.nb2
-  z = lambda s: _on_owner(jnp.zeros((n, s, s), jnp.float32))
+  z = lambda s: on_owner(jnp.zeros((n, s, s), jnp.float32))
   l, r = (z(blk.bs1) if use_l else None), (z(blk.bs2) if use_r else None)
-  nu = _on_owner(jnp.zeros((n, blk.bs1, blk.bs2), jnp.float32))
+  nu = on_owner(jnp.zeros((n, blk.bs1, blk.bs2), jnp.float32))
   return mu, nu, SoapFactors(l, r, l, r)
 
 
@@ -226,10 +224,10 @@ def soap_fold_fn(state: ScaleBySoapState, hp: dict, g_full, m) -> Callable:
   t = jnp.maximum(state.count, 1).astype(jnp.float32)
   b1, b2 = hp["b1"], hp["b2"]
   bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-  mu_l, td = jax.tree.flatten(state.mu, is_leaf=_is_masked)
+  mu_l, td = jax.tree.flatten(state.mu, is_leaf=is_masked)
   nu_l = td.flatten_up_to(state.nu)
   rot = lambda x, i: _fwd(x, state.factors.get(str(i)), plan.get(str(i), (None,))[0], prec)
-  live = [not _is_masked(x) for x in mu_l]
+  live = [not is_masked(x) for x in mu_l]
   mu_r = [rot(x, i) if ok else None for i, (x, ok) in enumerate(zip(mu_l, live))]
   gf_r = [rot(x, i) if ok else None for i, (x, ok) in enumerate(zip(td.flatten_up_to(g_full),
                                                                       live))]
@@ -368,7 +366,7 @@ def scale_by_soap(
 
   def init_fn(params):
     plan = plan_of(params)
-    leaves, td = jax.tree.flatten(params, is_leaf=_is_masked)
+    leaves, td = jax.tree.flatten(params, is_leaf=is_masked)
     out = [_init_leaf(x, plan.get(str(i))) for i, x in enumerate(leaves)]
     fac = {str(i): o[2] for i, o in enumerate(out) if o[2] is not None}
     return ScaleBySoapState(jnp.zeros([], jnp.int32), td.unflatten([o[0] for o in out]),
@@ -378,14 +376,14 @@ def scale_by_soap(
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     del params
     plan = plan_of(updates)
-    g_l, td = jax.tree.flatten(updates, is_leaf=_is_masked)
+    g_l, td = jax.tree.flatten(updates, is_leaf=is_masked)
     forms, stat_g = _forms(mode, crossfit, bc_stats, td)
     stat_l = g_l if stat_g is None else td.flatten_up_to(stat_g)
     m_l, v_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
     c = state.count
     u_l, m_new, v_new = list(g_l), list(m_l), {}
     for i, g in enumerate(g_l):
-      if _is_masked(g):
+      if is_masked(g):
         continue
       k = str(i)
       f, blk = state.factors.get(k), plan.get(k, (None,))[0]
@@ -399,7 +397,7 @@ def scale_by_soap(
     fac, nu_fac = _refresh(c, fac, {k: v_new[k] for k in fac}, precondition_frequency,
                            matmul_precision)
     v_new.update(nu_fac)
-    v_l = [v_l[i] if _is_masked(g) else v_new[str(i)] for i, g in enumerate(g_l)]
+    v_l = [v_l[i] if is_masked(g) else v_new[str(i)] for i, g in enumerate(g_l)]
     return (td.unflatten(u_l),
             state._replace(count=optax.safe_increment(c), mu=td.unflatten(m_new),
                            nu=td.unflatten(v_l), factors=fac, hp=hp_arrays()))
@@ -420,7 +418,7 @@ def _refresh(c, fac, nu, every, precision):
                         lambda: _sorted_power_step(fac, nu, precision))
 
   fac, nu = jax.lax.cond(c % every == 0, refresh, lambda fac, nu: (fac, nu), fac, nu)
-  own = lambda a: None if a is None else _on_owner(a)
+  own = lambda a: None if a is None else on_owner(a)
   return {k: SoapFactors(*map(own, f)) for k, f in fac.items()}, nu
 
 

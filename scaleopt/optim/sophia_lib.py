@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import optax
 
 from scaleopt.optim import delta, gnb, phases
-from scaleopt.optim.adam_bc import check_choice, keep_finite, tmap, unzip
+from scaleopt.optim.tree_utils import check_choice, keep_finite, tmap, unzip
 from scaleopt.optim.collect import (BCStats, CollectorSpec, Static, align, clip_factor,
                                     fold_microbatches, refresh_groups, register_bc_state,
                                     register_estimator, sum0, value_and_grad_fn, welford_add,
