@@ -126,11 +126,11 @@ def _sorted_power_step(fac: dict, nu: dict, precision) -> tuple[dict, dict]:
       idx = jnp.argsort(-jnp.sum(q * aq, axis=1), axis=-1)  # (n, s), stable
       mats[(k, side)] = jnp.take_along_axis(aq, idx[:, None, :], axis=2)
       nu[k] = jnp.take_along_axis(nu[k], jnp.expand_dims(idx, 3 - ax), axis=ax)
-  qs = batched_by_size(mats, _qr_q)
+  qs = batched_by_size(mats, qr_basis)
   return _with_bases(fac, qs), nu
 
 
-def _qr_q(x_Bxsxs: jax.Array) -> jax.Array:
+def qr_basis(x_Bxsxs: jax.Array) -> jax.Array:
   """Q of each matrix's QR factorization (``jnp.linalg.qr``), in calls of at most
   ``s // 129`` matrices each (one call for all when s <= 128).
 

@@ -141,8 +141,8 @@ def sophia_collector_spec(mode, crossfit, estimator, k, statistic, count_unit,
                        needs_logits=estimator == "gnb", needs_key=True, estimator_options=opts)
 
 
-def _curvature_pass(loss_fn, logits_fn, params, mbs, key, estimator, statistic, weight,
-                    need_var, vmap=False):
+def curvature_pass(loss_fn, logits_fn, params, mbs, key, estimator, statistic, weight,
+                   need_var, vmap=False):
   """Pass over the curvature group: h_step and Var(h_step) (float32); ``vmap``: the
   per-microbatch estimates by one ``jax.vmap`` (``collect.fold_microbatches``)."""
   m = jax.tree.leaves(mbs)[0].shape[0]
@@ -210,8 +210,8 @@ def sophia_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collecto
                      f"group, got {m_c}")
 
   def run():
-    return _curvature_pass(loss_fn, logits_fn, params, mbs_c, key, spec.estimator,
-                           opts["statistic"], opts["weight"], need_var, spec.vmap)
+    return curvature_pass(loss_fn, logits_fn, params, mbs_c, key, spec.estimator,
+                          opts["statistic"], opts["weight"], need_var, spec.vmap)
 
   def skip():
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run))

@@ -16,7 +16,7 @@ import pytest
 
 from scaleopt import optim
 from scaleopt.optim import phases
-from scaleopt.optim.soap_lib import _qr_q
+from scaleopt.optim.soap_lib import qr_basis
 
 B1, B2, SB, EPS, FREQ, STEPS = 0.9, 0.8, 0.7, 1e-8, 3, 8
 
@@ -281,7 +281,7 @@ def test_soap_power_step_keeps_gpu_qr_off_the_small_matrix_kernel(monkeypatch):
 
 def test_soap_qr_in_groups_equals_one_call_per_coordinate():
   x = jax.random.normal(jax.random.PRNGKey(0), (5, 300, 300))
-  np.testing.assert_array_equal(np.asarray(_qr_q(x)), np.asarray(jnp.linalg.qr(x)[0]))
+  np.testing.assert_array_equal(np.asarray(qr_basis(x)), np.asarray(jnp.linalg.qr(x)[0]))
 
 
 def test_soap_refresh_is_a_device_branch():

@@ -123,7 +123,6 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 import importlib
 C = importlib.import_module("scaleopt.optim.collect")  # the package (optim.collect is the function)
-AXIS = importlib.import_module("scaleopt.optim.collect.microbatch")._AXIS  # the active axis
 from scaleopt.optim import sophia_lib as S
 mesh = Mesh(np.array(jax.devices()).reshape(4), ("data",))
 rng = np.random.default_rng(0)
@@ -141,11 +140,8 @@ def mbs(m):
 
 def split_and_not(f):
   def on_axis():
-    token = AXIS.set(C.MicrobatchAxis("data", 4, mesh=mesh))
-    try:
+    with C.axis_context(C.MicrobatchAxis("data", 4, mesh=mesh)):
       return f()
-    finally:
-      AXIS.reset(token)
   return jax.tree.leaves(jax.jit(f)()), jax.tree.leaves(jax.jit(on_axis)())
 
 grad_fn = C.value_and_grad_fn(loss_fn)
@@ -159,9 +155,9 @@ data = mbs(8)
 logits = lambda p, mb: (jnp.tanh(mb["x"] @ p["w"] + p["b"]), jnp.ones(mb["x"].shape[:-1]))
 for est, stat, weight in (("hutchinson", "mean_sq", "none"), ("gnb", "mean_sq", "none"),
                           ("gnb", "sq_of_mean", "tokens")):
-  cases.append(split_and_not(lambda: S._curvature_pass(loss_fn, logits, params, data,
-                                                       jax.random.key(1), est, stat, weight,
-                                                       True, True)))
+  cases.append(split_and_not(lambda: S.curvature_pass(loss_fn, logits, params, data,
+                                                      jax.random.key(1), est, stat, weight,
+                                                      True, True)))
 np.savez(sys.argv[1], *[x for a, b in cases for x in (np.asarray(u) for u in a + b)],
          sizes=np.array([len(a) for a, _ in cases]))
 """

@@ -73,10 +73,12 @@ from scaleopt.optim.collect.stats import (BCStats, GradFn, GroupStats, LOOStats,
                                           welford_of, welford_var_of_mean)
 from scaleopt.optim.collect.spec import (CLIPS, CollectorSpec, Found, LAYOUTS, LOO_PASSES,
                                          LOO_STORAGE, StateHooks, Static, VAR_OF, collector_spec,
-                                         find_bc_states, register_bc_state, register_estimator,
-                                         rule_counts, schedule_count, skipped_tensors)
-from scaleopt.optim.collect.microbatch import (MicrobatchAxis, align, fold_microbatches, halves,
-                                               num_microbatches, refresh_groups, scan_group, sum0,
+                                         estimator, find_bc_states, merge_specs,
+                                         register_bc_state, register_estimator, rule_counts,
+                                         schedule_count, skipped_tensors, state_hooks)
+from scaleopt.optim.collect.microbatch import (MicrobatchAxis, active_axis, align, axis_context,
+                                               fold_microbatches, halves, num_microbatches,
+                                               refresh_groups, scan_group, sum0,
                                                value_and_grad_fn)
 from scaleopt.optim.collect.clip import (ClipState, clip_by_global_norm, clip_factor, scale_group,
                                          unclipped_numerator)

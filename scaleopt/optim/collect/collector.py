@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 
 from scaleopt.optim.collect.clip import clip_factor, scale_group
-from scaleopt.optim.collect.microbatch import (MicrobatchAxis, _AXIS, _f32, _one_slice,
-                                               _split_axis, _spreads, _vmap, _zeros_like_out,
+from scaleopt.optim.collect.microbatch import (MicrobatchAxis, as_float32, axis_context,
                                                fold_microbatches, halves, num_microbatches,
-                                               scan_group, sum0, value_and_grad_fn)
-from scaleopt.optim.collect.spec import (CollectorSpec, Found, _ESTIMATORS, _STATE_HOOKS,
-                                         _merge, default_fold_chunk, find_bc_states)
+                                               scan_group, split_axis, spreads,
+                                               stored_as_float32, sum0, value_and_grad_fn,
+                                               vmap_over_axis, zeros_like_output)
+from scaleopt.optim.collect.spec import (CollectorSpec, Found, default_fold_chunk, estimator,
+                                         find_bc_states, merge_specs, state_hooks)
 from scaleopt.optim.collect.stats import BCStats, LOOStats, LossFn, PyTree
 
 
@@ -35,7 +36,7 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
                                        keep_dtype=spec.loo_dtype)
   c = clip_factor(full.mean, max_norm) if max_norm is not None else jnp.float32(1.0)
   g_full = jax.tree.map(lambda x: c * x, full.mean)
-  folds = [_STATE_HOOKS[type(f.state)].fold_fn(f.state, f.hp, g_full, m) for f in found
+  folds = [state_hooks(type(f.state)).fold_fn(f.state, f.hp, g_full, m) for f in found
            if f.state.spec.value.layout == "loo"]
 
   def fold(g_r):
@@ -48,25 +49,25 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
   _, shift = fold(g_full)
 
   def sums(g_r):  # the fold terms, e_r and e_r^2 of one stored (or recomputed) g_r
-    terms, d = fold(jax.tree.map(lambda x: c * x, _f32(_one_slice(g_r))))
+    terms, d = fold(jax.tree.map(lambda x: c * x, as_float32(stored_as_float32(g_r))))
     e = jax.tree.map(jnp.subtract, d, shift)
     return terms, e, jax.tree.map(jnp.square, e)
 
   add = lambda t, u: jax.tree.map(jnp.add, t, u)
-  grad_of = (lambda g: g) if one else (lambda mb: _f32(grad_fn(params, mb)[2]))
+  grad_of = (lambda g: g) if one else (lambda mb: as_float32(grad_fn(params, mb)[2]))
   step = lambda carry, g_r: add(carry, sums(g_r))
 
-  carry0 = _zeros_like_out(sums, g_full)
-  if one and _split_axis(m) is None:
+  carry0 = zeros_like_output(sums, g_full)
+  if one and split_axis(m) is None:
     # the stored g_r in order, k folds per step of the scan, unrolled: one chain of
     # elementwise work per step that XLA can fuse with the running sums (docs/optim.md)
     k = spec.loo_fold_chunk or default_fold_chunk()
     (t, s1, s2), _ = jax.lax.scan(lambda carry, g_r: (step(carry, g_r), None), carry0,
                                   g_all[0], unroll=min(k, m))
   else:  # recomputed (two passes), or split over devices: folded where they lie
-    reduce = lambda carry, g_rs: add(carry, sum0(_vmap(sums, m)(g_rs)))
+    reduce = lambda carry, g_rs: add(carry, sum0(vmap_over_axis(sums, m)(g_rs)))
     (t, s1, s2), _ = fold_microbatches(grad_of, step, carry0, g_all[0] if one else mbs,
-                                       vmap=one and spec.vmap and not _spreads(m),
+                                       vmap=one and spec.vmap and not spreads(m),
                                        reduce=reduce)
   var = lambda a, q: jnp.maximum((q - a * a / m) / (m - 1), 0.0)
   loo = LOOStats(mean=jax.tree.map(lambda s: s / m, t), var=jax.tree.map(var, s1, s2), count=m)
@@ -78,7 +79,7 @@ def _x_fn(found: list[Found], spec: CollectorSpec):
   post-EMA denominators (masked leaves of other states contribute zeros)."""
   if spec.var_of != "post_ema":
     return None
-  fns = [_STATE_HOOKS[type(f.state)].var_fn(f.state, f.hp) for f in found
+  fns = [state_hooks(type(f.state)).var_fn(f.state, f.hp) for f in found
          if f.state.spec.value.var_of == "post_ema"]
   return lambda g: jax.tree.map(lambda *xs: sum(xs), *[fn(g) for fn in fns])
 
@@ -143,7 +144,7 @@ def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, opt_state: Py
     BCStats, float32. Call ``tx.update(stats.numerator, opt_state, params, bc_stats=stats)``.
   """
   found = find_bc_states(opt_state)
-  spec = _merge(found)
+  spec = merge_specs(found)
   needy = [f for f in found if f.under_multisteps and (
       f.state.spec.value.layout not in (None, "all") or f.state.spec.value.var_of
       or f.state.spec.value.estimator)]
@@ -152,12 +153,9 @@ def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, opt_state: Py
                      "the k-step mean gradient and one mini-step's statistics; pass all k*m "
                      "microbatches of the step to collect instead (they are accumulated there)")
   max_norm = _clip_of(found, spec)
-  token = _AXIS.set(microbatch_axis if spec.vmap else None)
-  try:
+  with axis_context(microbatch_axis if spec.vmap else None):
     stats = _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
                      b_microbatches)
-  finally:
-    _AXIS.reset(token)
   num_norm = _clip_of(found, spec, "numerator")
   if num_norm is None:
     return stats
@@ -167,7 +165,7 @@ def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, opt_state: Py
 def _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
              b_microbatches) -> BCStats:
   if spec.estimator is not None:
-    return _ESTIMATORS[spec.estimator](loss_fn, params, microbatches, spec, found, key=key,
+    return estimator(spec.estimator)(loss_fn, params, microbatches, spec, found, key=key,
                                        logits_fn=logits_fn, b_microbatches=b_microbatches,
                                        max_norm=max_norm)
   grad_fn = value_and_grad_fn(loss_fn)

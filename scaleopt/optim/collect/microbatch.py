@@ -52,7 +52,7 @@ def halves(microbatches: PyTree, what: str) -> tuple[PyTree, PyTree]:
           jax.tree.map(lambda x: x[m // 2:], microbatches))
 
 
-def _f32(tree: PyTree) -> PyTree:
+def as_float32(tree: PyTree) -> PyTree:
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
 
 
@@ -77,7 +77,7 @@ def _stored(g: PyTree, dtype) -> PyTree:
   return jax.tree.map(lambda x: x.astype(dtype), g)
 
 
-def _one_slice(g: PyTree) -> PyTree:
+def stored_as_float32(g: PyTree) -> PyTree:
   """One stored gradient in float32 as the fold reads it (exact: bfloat16 is float32's upper
   half)."""
   def up(x):
@@ -87,7 +87,7 @@ def _one_slice(g: PyTree) -> PyTree:
   return jax.tree.map(up, g)
 
 
-def _zeros_like_out(fn: Callable, *args) -> PyTree:
+def zeros_like_output(fn: Callable, *args) -> PyTree:
   return jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), jax.eval_shape(fn, *args))
 
 
@@ -122,24 +122,44 @@ class MicrobatchAxis(NamedTuple):
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sh(x)), tree)
 
 
-_AXIS: contextvars.ContextVar[Optional[MicrobatchAxis]] = contextvars.ContextVar(
+# The trace-time context of the microbatch axis: ``collect`` enters ``axis_context`` while it
+# traces, and the scans below (including those the registered estimators run) read
+# ``active_axis``; an estimator's signature therefore carries no axis argument.
+_ACTIVE_AXIS: contextvars.ContextVar[Optional[MicrobatchAxis]] = contextvars.ContextVar(
     "scaleopt_microbatch_axis", default=None)
 
 
-def _split_axis(m: int) -> Optional[MicrobatchAxis]:
+@contextlib.contextmanager
+def axis_context(axis: Optional[MicrobatchAxis]):
+  """Within this context (entered while tracing) vmapped microbatches are split over ``axis``
+  (None: unsplit). ``collect(..., microbatch_axis=)`` enters it for the collector's scans."""
+  token = _ACTIVE_AXIS.set(axis)
+  try:
+    yield
+  finally:
+    _ACTIVE_AXIS.reset(token)
+
+
+def active_axis() -> Optional[MicrobatchAxis]:
+  """The ``MicrobatchAxis`` of the innermost ``axis_context``, or None outside one."""
+  return _ACTIVE_AXIS.get()
+
+
+def split_axis(m: int) -> Optional[MicrobatchAxis]:
   """The active microbatch axis if it splits ``m`` microbatches evenly (and has > 1 device)."""
-  ax = _AXIS.get()
+  ax = active_axis()
   return ax if ax is not None and ax.size > 1 and m % ax.size == 0 else None
 
 
-def _spreads(m: int) -> bool:
+def spreads(m: int) -> bool:
   """Whether the active axis splits ``m`` microbatches and spreads their outputs in slices."""
-  ax = _split_axis(m)
+  ax = split_axis(m)
   return ax is not None and ax.spread is not None
 
 
-def _vmap(fn: Callable, m: int) -> Callable:
-  ax = _split_axis(m)
+def vmap_over_axis(fn: Callable, m: int) -> Callable:
+  """``jax.vmap(fn)`` over m microbatches, split over the active axis where it divides m."""
+  ax = split_axis(m)
   if ax is None:
     return jax.vmap(fn)
 
@@ -168,8 +188,8 @@ def fold_microbatches(fn: Callable, step: Callable, carry0, xs: PyTree, *, vmap:
   """
   if vmap:
     m = num_microbatches(xs)
-    ys = _vmap(fn, m)(xs)
-    ax = _split_axis(m)
+    ys = vmap_over_axis(fn, m)(xs)
+    ax = split_axis(m)
     if ax is not None and ax.spread is not None:
       ys = ax.spread(ys)
     elif ax is not None and reduce is not None:
@@ -200,7 +220,7 @@ def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional
   """
   m = num_microbatches(mbs)
   mb0 = jax.tree.map(lambda x: x[0], mbs)
-  loss_s, aux_s, g_s = _zeros_like_out(grad_fn, params, mb0)
+  loss_s, aux_s, g_s = zeros_like_output(grad_fn, params, mb0)
   if var_of == "sq":
     x_fn = lambda g: jax.tree.map(lambda t: t * t, g)
   elif var_of == "grad":
@@ -210,7 +230,7 @@ def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional
 
   def fn(mb):
     loss, aux, g = grad_fn(params, mb)
-    return loss, _f32(aux), _f32(g)
+    return loss, as_float32(aux), as_float32(g)
 
   def step(c, y):
     loss, aux, g = y
@@ -257,7 +277,8 @@ def refresh_groups(grad_fn: GradFn, params: PyTree, microbatches: PyTree, layout
   ``ab``: on refresh steps the numerator uses group A only (cross-fit), on the other steps
   all microbatches (``phases.cond``), or group A on every step with ``a_every_step`` (the
   authors' code: the momentum's noise level is then the same on every step); ``rolling_b``:
-  A is ``microbatches``, B ``b_microbatches``; ``all``: both use every microbatch. ``vmap``: see ``fold_microbatches``.
+  A is ``microbatches``, B ``b_microbatches``; ``all``: both use every microbatch. ``vmap``: see
+  ``fold_microbatches``.
 
   Returns:
     ((mean gradient, loss, aux) of the numerator group, group-B microbatches).
