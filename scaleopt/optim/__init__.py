@@ -24,8 +24,9 @@ from scaleopt.optim.baselines import eval_params
 from scaleopt.optim.soap_lib import ScaleBySoapState, scale_by_soap, soap, soap_bc
 from scaleopt.optim.schedules import ScheduleConfig, make_schedule
 from scaleopt.optim.muon import muon
-from scaleopt.optim.build import (OptimizerConfig, build, config_class, extra_config,
-                                  finite_updates, names, register_optimizer, resolved_numerics)
+from scaleopt.optim.build import (OptimizerConfig, Recommended, build, config_class,
+                                  extra_config, finite_updates, names, recommended,
+                                  register_optimizer, resolved_numerics, with_recommended)
 
 __all__ = [
     "BCStats", "CollectorSpec", "GroupStats", "LOOStats", "MicrobatchAxis", "Static",
@@ -39,7 +40,7 @@ __all__ = [
     "ScheduleConfig", "make_schedule", "OptimizerConfig", "build", "config_class", "extra_config",
     "finite_updates", "muon",
     "resolved_numerics",
-    "names",
+    "names", "Recommended", "recommended", "with_recommended",
     "register_optimizer", "delta", "gnb", "eval_params", "ScaleBySoapState", "scale_by_soap",
     "soap", "soap_bc",
 ]

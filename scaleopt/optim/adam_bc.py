@@ -47,7 +47,7 @@ from scaleopt.optim.adam_bc_forms import (RULES, AdamBCHyper, adaptive_alpha, bi
                                           corrected_inverse, directions, rule_dict,
                                           std_leaf, support_clip, var_sq_of_mean)
 from scaleopt.optim.collect import (BCStats, CollectorSpec, StateHooks, Static, align,
-                                    register_bc_state, unclipped_numerator)
+                                    check_numerator, register_bc_state, unclipped_numerator)
 from scaleopt.optim.tree_utils import check_choice, is_masked, keep_finite, tmap, unzip
 
 PyTree = Any
@@ -250,6 +250,8 @@ def scale_by_adam_bc(
     if mode != "std" and bc_stats is None:
       raise ValueError(f"scale_by_adam_bc(mode={mode!r}) needs bc_stats from "
                        "scaleopt.optim.collect; only mode='std' works without them")
+    if mode != "std":
+      check_numerator(updates, bc_stats, f"scale_by_adam_bc(mode={mode!r})")
     count_inc = optax.safe_increment(state.count)
     bc = bias_correction(b1, b2, count_inc)
     g = tmap(lambda x: x.astype(jnp.float32), updates)

@@ -52,10 +52,20 @@ Factory = Callable[..., optax.GradientTransformation]
 COLLECTOR_KEYS = ("loo_passes", "vmap_microbatches", "loo_storage", "loo_fold_chunk")
 
 
+@dataclasses.dataclass(frozen=True)
+class Recommended:
+  """An optimizer's recommended learning rate and schedule keys (``ScheduleConfig`` fields,
+  e.g. ``{"kind": "constant"}``), which a training config takes where its optimizer section
+  sets none (``with_recommended``). docs/optim.md lists them and how they were chosen."""
+  learning_rate: float
+  schedule: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
 class Registered(NamedTuple):
   factory: Factory
   config: Optional[type]  # the dataclass of ``extra``'s keys; None: any key (the factory checks)
   finite_updates: Union[bool, Callable[["OptimizerConfig"], bool]]
+  recommended: Optional[Recommended] = None
 
 
 _REGISTRY: dict[str, Registered] = {}
@@ -88,7 +98,8 @@ def extra_config(cls_name: str, *fns: Callable, drop: tuple = (), keep: Optional
 
 def register_optimizer(name: str, factory: Optional[Factory] = None, *,
                        config: Optional[type] = None,
-                       finite_updates: Union[bool, Callable[["OptimizerConfig"], bool]] = False):
+                       finite_updates: Union[bool, Callable[["OptimizerConfig"], bool]] = False,
+                       recommended: Optional[Recommended] = None):
   """Registers ``factory`` under ``name`` (usable as a decorator).
 
   ``factory(cfg, learning_rate, *, wd_mask, sparse_filter)`` returns the transform without
@@ -103,12 +114,14 @@ def register_optimizer(name: str, factory: Optional[Factory] = None, *,
   then decides a skip from the loss and gradient alone, before the update, and applies the
   update in one pass over the state; leave it False unless that is proven: the step then
   also checks the update's norm.
+  ``recommended``: the ``Recommended`` learning rate and schedule keys a training config takes
+  where it sets none (None: ``OptimizerConfig``'s defaults).
   """
   if config is not None and not dataclasses.is_dataclass(config):
     raise TypeError(f"register_optimizer({name!r}): config must be a dataclass, got {config!r}")
 
   def deco(f):
-    _REGISTRY[name] = Registered(f, config, finite_updates)
+    _REGISTRY[name] = Registered(f, config, finite_updates, recommended)
     return f
   return deco(factory) if factory is not None else deco
 
@@ -121,6 +134,27 @@ def config_class(name: str) -> Optional[type]:
 def names() -> tuple[str, ...]:
   """Registered optimizer names."""
   return tuple(_REGISTRY)
+
+
+def recommended(name: str) -> Optional[Recommended]:
+  """The recommended learning rate and schedule keys of a registered optimizer (None when it
+  was registered without them)."""
+  return _REGISTRY[name].recommended
+
+
+def with_recommended(section: Mapping[str, Any]) -> dict:
+  """An optimizer section (a mapping with a registered ``name``) with its optimizer's
+  ``recommended`` learning rate where it sets no ``learning_rate``, and its recommended
+  schedule keys where ``schedule`` sets none of them; every key the section sets is kept."""
+  out = dict(section)
+  rec = _REGISTRY[out["name"]].recommended if out.get("name") in _REGISTRY else None
+  if rec is None:
+    return out
+  out.setdefault("learning_rate", rec.learning_rate)
+  schedule = out.get("schedule")
+  if rec.schedule and (schedule is None or isinstance(schedule, Mapping)):
+    out["schedule"] = {**rec.schedule, **(schedule or {})}
+  return out
 
 
 def finite_updates(config: Union[Mapping[str, Any], "OptimizerConfig"]) -> bool:

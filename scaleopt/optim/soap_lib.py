@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import optax
 
 from scaleopt.optim.collect import (BCStats, CollectorSpec, StateHooks, Static,
-                                    register_bc_state)
+                                    check_numerator, register_bc_state)
 from scaleopt.optim.shampoo_lib import (PRECISIONS, batched_by_size, blocking, eigh_damped,
                                         from_blocks, major_dims, on_owner, to_blocks)
 from scaleopt.optim.tree_utils import check_choice, is_masked
@@ -135,8 +135,8 @@ def qr_basis(x_Bxsxs: jax.Array) -> jax.Array:
   ``s // 129`` matrices each (one call for all when s <= 128).
 
   jaxlib's GPU QR takes cuBLAS's batched kernel, which is written for small matrices, for any
-  call of B > 1 matrices with s // B <= 128; a model's bases stacked into one call (gpt2-small:
-  tens of matrices of 768 and 2048) then take tens of seconds. With at most s // 129 per call
+  call of B > 1 matrices with s // B <= 128, and is slow on a model's large bases stacked into
+  one call. With at most s // 129 per call
   every call stays on cuSOLVER's kernel for one matrix at a time (under an outer ``vmap`` a
   call holds that many times more)."""
   s = x_Bxsxs.shape[-1]
@@ -267,18 +267,19 @@ def _collector_spec(mode, crossfit) -> CollectorSpec:
   return CollectorSpec(layout="loo", stateful=True)
 
 
-def _forms(mode, crossfit, st: Optional[BCStats], td):
+def _forms(mode, crossfit, stats: Optional[BCStats], td):
   """Per leaf, the ``form`` of ``_direction``, and the gradient that feeds the factors."""
   if mode == "std":
     return [("std",)] * td.num_leaves, None
-  if st is None:
+  if stats is None:
     raise ValueError(f"scale_by_soap(mode={mode!r}) needs bc_stats from scaleopt.optim.collect")
   if crossfit == "ab":
-    return [("ab", b) for b in td.flatten_up_to(st.b.mean)], st.full
-  if st.loo is None:
+    return [("ab", b) for b in td.flatten_up_to(stats.b.mean)], stats.full
+  if stats.loo is None:
     raise ValueError("crossfit='loo' needs bc_stats from the 'loo' layout")
-  lo = [td.flatten_up_to(x) for x in (st.loo.mean["first"], st.loo.mean["third"], st.loo.var)]
-  return [("loo", *x) for x in zip(*lo)], None
+  loo = stats.loo
+  loo_terms = [td.flatten_up_to(x) for x in (loo.mean["first"], loo.mean["third"], loo.var)]
+  return [("loo", *x) for x in zip(*loo_terms)], None
 
 
 def _check_options(precision, mode, crossfit, std_warmup_steps, **positive):
@@ -375,6 +376,8 @@ def scale_by_soap(
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     del params
+    if mode != "std":
+      check_numerator(updates, bc_stats, f"scale_by_soap(mode={mode!r})")
     plan = plan_of(updates)
     g_l, td = jax.tree.flatten(updates, is_leaf=is_masked)
     forms, stat_g = _forms(mode, crossfit, bc_stats, td)
@@ -409,10 +412,9 @@ def _refresh(c, fac, nu, every, precision):
   """On due calls: the first bases (c = 0) or a sorted power step; factors kept on their
   owners.
 
-  A device branch (``lax.cond``), not one of ``phases``' host-picked programs: on an H200
-  (jax 0.11.2) SOAP's host-picked programs failed at their first run while XLA loaded their
-  cuDNN attention graphs, and the one program with device branches runs (docs/optim_soap.md,
-  "On GPUs")."""
+  A device branch (``lax.cond``), not one of ``phases``' host-picked programs: SOAP compiles
+  one program with device branches, never one program per outcome (docs/optim_soap.md,
+  "On GPUs", says why)."""
   def refresh(fac, nu):
     return jax.lax.cond(c == 0, lambda: (_first_bases(fac), nu),
                         lambda: _sorted_power_step(fac, nu, precision))

@@ -20,7 +20,8 @@ estimate of the mean per-position Gauss-Newton diagonal in every mode, s = 1:
 (n_j: positions of microbatch j; ``count_unit="sequences"`` counts sequences instead), so the
 std and BC denominators have the same expected size and rho means the same thing in both.
 ``"reference"``: h_step = g_bar^2 or (1/m) sum_j g_j^2 and s = ``bs`` (the paper's code: bs =
-examples per step, which made its BC denominator ~128x larger than std's; notes section 9.4).
+examples per step, so its BC denominator is not on the scale of std's and rho differs between
+the two; docs/optim_sophia_shampoo.md).
 
 Bias correction (``mode``):
 
@@ -46,12 +47,12 @@ import jax.numpy as jnp
 import optax
 
 from scaleopt.optim import delta, gnb, phases
+from scaleopt.optim.collect import (BCStats, CollectorSpec, Static, align, check_numerator,
+                                    clip_factor, fold_microbatches, refresh_groups,
+                                    register_bc_state, register_estimator, sum0,
+                                    value_and_grad_fn, welford_add, welford_init, welford_merge,
+                                    welford_of, welford_var_of_mean)
 from scaleopt.optim.tree_utils import check_choice, keep_finite, tmap, unzip
-from scaleopt.optim.collect import (BCStats, CollectorSpec, Static, align, clip_factor,
-                                    fold_microbatches, refresh_groups, register_bc_state,
-                                    register_estimator, sum0, value_and_grad_fn, welford_add,
-                                    welford_init, welford_merge, welford_of,
-                                    welford_var_of_mean)
 
 PyTree = Any
 
@@ -325,6 +326,8 @@ def scale_by_sophia(
     if bc_stats is None or not isinstance(bc_stats.precond, SophiaCurvature):
       raise ValueError("scale_by_sophia needs bc_stats from scaleopt.optim.collect (with this "
                        "transform's state)")
+    if mode != "std":
+      check_numerator(updates, bc_stats, f"scale_by_sophia(mode={mode!r})")
     cur = bc_stats.precond
     count_inc = optax.safe_increment(state.count)
     hs = align(cur.h_step, updates)

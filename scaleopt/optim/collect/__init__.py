@@ -80,7 +80,7 @@ from scaleopt.optim.collect.microbatch import (MicrobatchAxis, active_axis, alig
                                                fold_microbatches, halves, num_microbatches,
                                                refresh_groups, scan_group, sum0,
                                                value_and_grad_fn)
-from scaleopt.optim.collect.clip import (ClipState, clip_by_global_norm, clip_factor, scale_group,
-                                         unclipped_numerator)
+from scaleopt.optim.collect.clip import (ClipState, check_numerator, clip_by_global_norm,
+                                         clip_factor, scale_group, unclipped_numerator)
 from scaleopt.optim.collect.collector import collect
 from scaleopt.optim.collect.options import CollectorOptionsState, collector_options

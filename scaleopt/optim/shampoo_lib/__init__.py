@@ -13,11 +13,10 @@ All blocks of one factor size, across all tensors, are stacked and their roots c
 batched call on root steps (``phases.cond``): by ``jnp.linalg.eigh`` in float32
 (``root_method="eigh"``) or by coupled Newton iterations (``"newton"``: batched matmuls at
 ``newton_precision``, ``"high"`` by default: TF32 on NVIDIA GPUs, whose root error grows with
-the factor's condition number, 2-3% at 1e4, without changing the trained loss; ``"highest"``
-for float32 roots; docs/optim.md). The default
-``"auto"`` takes Newton on accelerators, where it computes a root step faster than cuSOLVER's
-``eigh`` (docs/optim.md, Shampoo root solvers), and ``eigh`` on CPU (LAPACK's is faster there) and for the ``inv``/``full`` modes
-(their correction needs the eigenvalues). Other tensors (1-D, embeddings, too large)
+the factor's condition number; ``"highest"`` for float32 roots; docs/optim.md). The default
+``"auto"`` takes Newton on accelerators (batched matmuls instead of cuSOLVER's ``eigh``;
+docs/optim.md, Shampoo root solvers), and ``eigh`` on CPU (LAPACK) and for the ``inv``/``full``
+modes (their correction needs the eigenvalues). Other tensors (1-D, embeddings, too large)
 take AdamW (b1 or ``adam_b1``, b2 or ``adam_b2``, eps; bias-corrected moments).
 ``graft="adam"`` (the default, as in distributed Shampoo) rescales each block of U to the
 Frobenius norm of the Adam direction m_hat / (sqrt(v_hat) + eps) of that block, so Shampoo takes

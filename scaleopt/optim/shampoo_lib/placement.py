@@ -123,7 +123,7 @@ def batched_by_size(mats: dict, fn: Callable) -> dict:
   On CPU the calls run one matrix at a time (``lax.map``) and one size after another
   (``optimization_barrier``): jaxlib's batched CPU LAPACK kernels split a batch over XLA's
   intra-op thread pool and block on it, and two such kernels in flight at once can take every
-  pool thread and deadlock (seen with jax 0.10.2 on 2 cores). Accelerators keep the batched call.
+  pool thread and deadlock on a machine with few cores. Accelerators keep the batched call.
 
   Under a multi-device mesh every device decomposes only its share of each size's batch:
   ceil(N / ndev) matrices instead of N. When every array of a size has its blocks split over

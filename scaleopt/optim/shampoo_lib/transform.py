@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaleopt.optim.collect import BCStats, Static, unclipped_numerator
+from scaleopt.optim.collect import BCStats, Static, check_numerator, unclipped_numerator
 from scaleopt.optim.shampoo_lib.blocking import (block_norms, blocking, blockings_of,
                                                  from_blocks, major_dims, to_blocks)
 from scaleopt.optim.shampoo_lib.factors import step_is_finite, update_factors
@@ -142,9 +142,8 @@ def scale_by_shampoo(
     b1: momentum M of preconditioned tensors (and of fallback tensors unless ``adam_b1``).
     b2: factor EMA rate (and Adam's b2 unless ``adam_b2`` is given).
     eps: Adam's epsilon (fallback and grafting).
-    block_size, max_dim, min_dim: blocking and eligibility (see the package docstring); blocks of
-      512 (the default) cost less per step than 1024 (cheaper roots and P_L M P_R;
-      docs/optim.md, Shampoo defaults).
+    block_size, max_dim, min_dim: blocking and eligibility (see the package docstring); a
+      smaller block makes the roots and P_L M P_R cheaper (docs/optim.md, Shampoo defaults).
     stats_every, root_every: statistics and root frequencies (BC modes take statistics on root
       steps only, from group B).
     damping, eig_floor_ratio: lambda and the eigenvalue floor eig_floor_ratio * lambda.
@@ -152,9 +151,8 @@ def scale_by_shampoo(
       iterations; std/cf) or ``auto`` (``resolve_root_method``: Newton on GPU/TPU for std/cf,
       else eigh).
     newton_precision: precision of the coupled Newton matmuls, one of ``PRECISIONS``
-      (default ``"high"``: TF32 on NVIDIA GPUs, 9% cheaper per step than float32 roots at
-      the same trained loss; ``"highest"`` (float32) for roots accurate to 1e-4 at condition
-      numbers of 1e4 and more; docs/optim.md, Newton roots: TF32 or float32).
+      (default ``"high"``: TF32 on NVIDIA GPUs; ``"highest"``: float32, for accurate roots of
+      ill-conditioned factors; docs/optim.md, Newton roots: TF32 or float32).
     graft: ``adam`` (default; per-block Frobenius norm of the Adam direction) or ``none``.
     adam_b1, adam_b2: the fallback AdamW's rates (the reference code's separate betas).
     update_clip_fro: if > 0, scale each preconditioned tensor's U to Frobenius norm <= c.
@@ -237,6 +235,7 @@ def scale_by_shampoo(
       if bc_stats is None or not isinstance(bc_stats.precond, ShampooPrecond):
         raise ValueError(f"scale_by_shampoo(mode={mode!r}) needs bc_stats from "
                          "scaleopt.optim.collect")
+      check_numerator(updates, bc_stats, f"scale_by_shampoo(mode={mode!r})")
       pre = bc_stats.precond
     count, count_inc = state.count, optax.safe_increment(state.count)
     orig_l, td = jax.tree.flatten(updates, is_leaf=is_masked)
