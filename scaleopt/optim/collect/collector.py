@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from scaleopt.optim.collect.clip import clip_factor, scale_group
-from scaleopt.optim.collect.microbatch import (MicrobatchAxis, as_float32, axis_context,
+from scaleopt.optim.collect.microbatch import (MicrobatchAxis, as_float32,
                                                fold_microbatches, halves, num_microbatches,
                                                scan_group, split_axis, spreads,
                                                stored_as_float32, sum0, value_and_grad_fn,
@@ -25,15 +25,16 @@ def _clip_of(found: list[Found], spec: CollectorSpec, kind: str = "consistent"):
   return next(f.hp["max_norm"] for f in found if "max_norm" in f.hp)
 
 
-def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
+def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec, axis) -> BCStats:
   """g_full, then per fold r the BC states' fold terms on c g_r (c: clip). Two passes recompute
-  g_r in a second scan; one pass (``spec.loo_one_pass``) folds the g_r stored by the first."""
+  g_r in a second scan; one pass (``spec.loo_one_pass``) folds the g_r stored by the first.
+  ``axis``: the ``MicrobatchAxis`` of vmapped microbatches (None: unsplit)."""
   m = num_microbatches(mbs)
   if m < 2:
     raise ValueError(f"leave-one-out needs at least 2 microbatches, got m={m}")
   one = spec.loo_one_pass
   full, loss, aux, *g_all = scan_group(grad_fn, params, mbs, vmap=spec.vmap, keep_grads=one,
-                                       keep_dtype=spec.loo_dtype)
+                                       keep_dtype=spec.loo_dtype, axis=axis)
   c = clip_factor(full.mean, max_norm) if max_norm is not None else jnp.float32(1.0)
   g_full = jax.tree.map(lambda x: c * x, full.mean)
   folds = [state_hooks(type(f.state)).fold_fn(f.state, f.hp, g_full, m) for f in found
@@ -58,17 +59,17 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
   step = lambda carry, g_r: add(carry, sums(g_r))
 
   carry0 = zeros_like_output(sums, g_full)
-  if one and split_axis(m) is None:
+  if one and split_axis(m, axis) is None:
     # the stored g_r in order, k folds per step of the scan, unrolled: one chain of
     # elementwise work per step that XLA can fuse with the running sums (docs/optim.md)
     k = spec.loo_fold_chunk or default_fold_chunk()
     (t, s1, s2), _ = jax.lax.scan(lambda carry, g_r: (step(carry, g_r), None), carry0,
                                   g_all[0], unroll=min(k, m))
   else:  # recomputed (two passes), or split over devices: folded where they lie
-    reduce = lambda carry, g_rs: add(carry, sum0(vmap_over_axis(sums, m)(g_rs)))
+    reduce = lambda carry, g_rs: add(carry, sum0(vmap_over_axis(sums, m, axis)(g_rs)))
     (t, s1, s2), _ = fold_microbatches(grad_of, step, carry0, g_all[0] if one else mbs,
-                                       vmap=one and spec.vmap and not spreads(m),
-                                       reduce=reduce)
+                                       vmap=one and spec.vmap and not spreads(m, axis),
+                                       reduce=reduce, axis=axis)
   var = lambda a, q: jnp.maximum((q - a * a / m) / (m - 1), 0.0)
   loo = LOOStats(mean=jax.tree.map(lambda s: s / m, t), var=jax.tree.map(var, s1, s2), count=m)
   return BCStats(g_full, g_full, None, None, loo, loss, aux, c)
@@ -84,10 +85,10 @@ def _x_fn(found: list[Found], spec: CollectorSpec):
   return lambda g: jax.tree.map(lambda *xs: sum(xs), *[fn(g) for fn in fns])
 
 
-def _layout(grad_fn, params, mbs, spec, found, b_mbs, max_norm) -> BCStats:
+def _layout(grad_fn, params, mbs, spec, found, b_mbs, max_norm, axis) -> BCStats:
   lay = spec.layout
   kw = dict(var_of=spec.var_of, x_fn=_x_fn(found, spec), need_sq=spec.need_sq)
-  vm = dict(vmap=spec.vmap)
+  vm = dict(vmap=spec.vmap, axis=axis)
   if spec.var_of == "post_ema" and spec.clip == "consistent":
     raise ValueError("the reference post-EMA variance reads per-microbatch denominators before "
                      "the step's clip factor is known; use clip_by_global_norm(..., "
@@ -153,9 +154,8 @@ def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, opt_state: Py
                      "the k-step mean gradient and one mini-step's statistics; pass all k*m "
                      "microbatches of the step to collect instead (they are accumulated there)")
   max_norm = _clip_of(found, spec)
-  with axis_context(microbatch_axis if spec.vmap else None):
-    stats = _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
-                     b_microbatches)
+  stats = _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
+                   b_microbatches, microbatch_axis if spec.vmap else None)
   num_norm = _clip_of(found, spec, "numerator")
   if num_norm is None:
     return stats
@@ -163,12 +163,13 @@ def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, opt_state: Py
 
 
 def _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
-             b_microbatches) -> BCStats:
-  if spec.estimator is not None:
+             b_microbatches, axis) -> BCStats:
+  if spec.estimator is not None:  # the axis goes only to estimators of split microbatches
+    split = {"microbatch_axis": axis} if axis is not None else {}
     return estimator(spec.estimator)(loss_fn, params, microbatches, spec, found, key=key,
-                                       logits_fn=logits_fn, b_microbatches=b_microbatches,
-                                       max_norm=max_norm)
+                                     logits_fn=logits_fn, b_microbatches=b_microbatches,
+                                     max_norm=max_norm, **split)
   grad_fn = value_and_grad_fn(loss_fn)
   if spec.layout == "loo":
-    return _loo(grad_fn, params, microbatches, found, max_norm, spec)
-  return _layout(grad_fn, params, microbatches, spec, found, b_microbatches, max_norm)
+    return _loo(grad_fn, params, microbatches, found, max_norm, spec, axis)
+  return _layout(grad_fn, params, microbatches, spec, found, b_microbatches, max_norm, axis)

@@ -4,7 +4,6 @@ where one is set, with each group's statistics; the refresh steps' group statist
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -122,44 +121,20 @@ class MicrobatchAxis(NamedTuple):
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sh(x)), tree)
 
 
-# The trace-time context of the microbatch axis: ``collect`` enters ``axis_context`` while it
-# traces, and the scans below (including those the registered estimators run) read
-# ``active_axis``; an estimator's signature therefore carries no axis argument.
-_ACTIVE_AXIS: contextvars.ContextVar[Optional[MicrobatchAxis]] = contextvars.ContextVar(
-    "scaleopt_microbatch_axis", default=None)
+def split_axis(m: int, axis: Optional[MicrobatchAxis]) -> Optional[MicrobatchAxis]:
+  """``axis`` if it splits ``m`` microbatches evenly (and has > 1 device), else None."""
+  return axis if axis is not None and axis.size > 1 and m % axis.size == 0 else None
 
 
-@contextlib.contextmanager
-def axis_context(axis: Optional[MicrobatchAxis]):
-  """Within this context (entered while tracing) vmapped microbatches are split over ``axis``
-  (None: unsplit). ``collect(..., microbatch_axis=)`` enters it for the collector's scans."""
-  token = _ACTIVE_AXIS.set(axis)
-  try:
-    yield
-  finally:
-    _ACTIVE_AXIS.reset(token)
-
-
-def active_axis() -> Optional[MicrobatchAxis]:
-  """The ``MicrobatchAxis`` of the innermost ``axis_context``, or None outside one."""
-  return _ACTIVE_AXIS.get()
-
-
-def split_axis(m: int) -> Optional[MicrobatchAxis]:
-  """The active microbatch axis if it splits ``m`` microbatches evenly (and has > 1 device)."""
-  ax = active_axis()
-  return ax if ax is not None and ax.size > 1 and m % ax.size == 0 else None
-
-
-def spreads(m: int) -> bool:
-  """Whether the active axis splits ``m`` microbatches and spreads their outputs in slices."""
-  ax = split_axis(m)
+def spreads(m: int, axis: Optional[MicrobatchAxis]) -> bool:
+  """Whether ``axis`` splits ``m`` microbatches and spreads their outputs in slices."""
+  ax = split_axis(m, axis)
   return ax is not None and ax.spread is not None
 
 
-def vmap_over_axis(fn: Callable, m: int) -> Callable:
-  """``jax.vmap(fn)`` over m microbatches, split over the active axis where it divides m."""
-  ax = split_axis(m)
+def vmap_over_axis(fn: Callable, m: int, axis: Optional[MicrobatchAxis]) -> Callable:
+  """``jax.vmap(fn)`` over m microbatches, split over ``axis`` where it divides m."""
+  ax = split_axis(m, axis)
   if ax is None:
     return jax.vmap(fn)
 
@@ -171,13 +146,14 @@ def vmap_over_axis(fn: Callable, m: int) -> Callable:
 
 
 def fold_microbatches(fn: Callable, step: Callable, carry0, xs: PyTree, *, vmap: bool = False,
-                      keep: Optional[Callable] = None, reduce: Optional[Callable] = None):
+                      keep: Optional[Callable] = None, reduce: Optional[Callable] = None,
+                      axis: Optional[MicrobatchAxis] = None):
   """carry_m of carry_j = step(carry_{j-1}, fn(x_j)) over the leading axis of ``xs``.
 
   Scan (default): ``fn`` runs inside a ``lax.scan``, one microbatch at a time (memory of one
   microbatch). ``vmap=True``: ``jax.vmap(fn)`` over all of ``xs`` at once (one batched call),
   then the scan runs ``step`` over its stacked outputs in the same order, so both give the same
-  carry up to the rounding of the batched ``fn``. Where a ``MicrobatchAxis`` splits the
+  carry up to the rounding of the batched ``fn``. Where ``axis`` (a ``MicrobatchAxis``) splits the
   microbatches over devices, its ``spread`` reshards the stacked outputs into slices that hold
   every microbatch (the scan then runs locally on each slice; ``kept`` is in that layout);
   without ``spread``, ``reduce(carry0, stacked outputs)`` (the same carry by sums over the
@@ -188,8 +164,8 @@ def fold_microbatches(fn: Callable, step: Callable, carry0, xs: PyTree, *, vmap:
   """
   if vmap:
     m = num_microbatches(xs)
-    ys = vmap_over_axis(fn, m)(xs)
-    ax = split_axis(m)
+    ys = vmap_over_axis(fn, m, axis)(xs)
+    ax = split_axis(m, axis)
     if ax is not None and ax.spread is not None:
       ys = ax.spread(ys)
     elif ax is not None and reduce is not None:
@@ -211,11 +187,12 @@ def sum0(t: PyTree) -> PyTree:
 
 def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional[str] = None,
                x_fn: Optional[Callable] = None, need_sq: bool = False, vmap: bool = False,
-               keep_grads: bool = False, keep_dtype=jnp.float32):
+               keep_grads: bool = False, keep_dtype=jnp.float32,
+               axis: Optional[MicrobatchAxis] = None):
   """One pass over a group: (GroupStats, mean loss, mean aux), float32.
 
   ``x_fn(g_j)`` gives the per-microbatch quantity whose variance ``var_of`` asks for;
-  ``vmap``: see ``fold_microbatches``. ``keep_grads=True`` also returns the stacked
+  ``vmap``, ``axis``: see ``fold_microbatches``. ``keep_grads=True`` also returns the stacked
   microbatch gradients (m x params, in ``keep_dtype``) as a fourth output.
   """
   m = num_microbatches(mbs)
@@ -253,7 +230,7 @@ def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional
       c["w"] = welford_merge(c["w"], welford_of(jax.vmap(x_fn)(g)))
     return c
 
-  c, kept = fold_microbatches(fn, step, carry0, mbs, vmap=vmap, reduce=reduce,
+  c, kept = fold_microbatches(fn, step, carry0, mbs, vmap=vmap, reduce=reduce, axis=axis,
                               keep=(lambda y: _stored(_like(y[2], params), keep_dtype))
                               if keep_grads else None)
   mean = lambda t: jax.tree.map(lambda s: s / m, t)
@@ -271,20 +248,20 @@ def align(tree: PyTree, like: PyTree) -> PyTree:
 
 def refresh_groups(grad_fn: GradFn, params: PyTree, microbatches: PyTree, layout: str,
                    refresh: jax.Array, b_microbatches: PyTree = None, *, vmap: bool = False,
-                   a_every_step: bool = False):
+                   a_every_step: bool = False, axis: Optional[MicrobatchAxis] = None):
   """Numerator group statistics and the preconditioner group for periodic refreshes.
 
   ``ab``: on refresh steps the numerator uses group A only (cross-fit), on the other steps
   all microbatches (``phases.cond``), or group A on every step with ``a_every_step`` (the
   authors' code: the momentum's noise level is then the same on every step); ``rolling_b``:
-  A is ``microbatches``, B ``b_microbatches``; ``all``: both use every microbatch. ``vmap``: see
-  ``fold_microbatches``.
+  A is ``microbatches``, B ``b_microbatches``; ``all``: both use every microbatch. ``vmap``,
+  ``axis``: see ``fold_microbatches``.
 
   Returns:
     ((mean gradient, loss, aux) of the numerator group, group-B microbatches).
   """
   def num_of(mbs):
-    s, loss, aux = scan_group(grad_fn, params, mbs, vmap=vmap)
+    s, loss, aux = scan_group(grad_fn, params, mbs, vmap=vmap, axis=axis)
     return s.mean, loss, aux
 
   if layout == "ab":

@@ -168,8 +168,10 @@ def register_bc_state(state_type: type, hooks: StateHooks = StateHooks()) -> Non
 
 def register_estimator(name: str, fn: Callable) -> None:
   """Registers an estimator pass ``fn(loss_fn, params, microbatches, spec, found, *, key,
-  logits_fn, b_microbatches, max_norm) -> BCStats`` used when a spec names
-  ``estimator=name``."""
+  logits_fn, b_microbatches, max_norm[, microbatch_axis]) -> BCStats`` used when a spec names
+  ``estimator=name``. ``microbatch_axis`` (a ``MicrobatchAxis``) is passed only where
+  ``collect`` got one for vmapped microbatches; the estimator hands it to the scans it runs
+  (``scan_group``, ``fold_microbatches``, ``refresh_groups``: their ``axis``)."""
   _ESTIMATORS[name] = fn
 
 

@@ -105,7 +105,7 @@ def _factor_pass(grad_fn, params, mbs_b, st, keys, blk, hp, num, clip_of, two_pa
 
 def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: CollectorSpec, found,
                     *, key=None, logits_fn=None, b_microbatches: PyTree = None,
-                    max_norm=None) -> BCStats:
+                    max_norm=None, microbatch_axis=None) -> BCStats:
   """Numerator gradient plus, on root steps (count % root_every == 0, ``phases.cond``),
   the B-side factor statistics and (``inv``/``full``) the two-pass eigenvalue variances.
 
@@ -119,7 +119,7 @@ def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collect
   root = phases.due(st.count, spec.refresh_every)
   grad_fn = value_and_grad_fn(loss_fn)
   (num, loss, aux), mbs_b = refresh_groups(grad_fn, params, microbatches, spec.layout, root,
-                                           b_microbatches, vmap=spec.vmap,
+                                           b_microbatches, vmap=spec.vmap, axis=microbatch_axis,
                                            a_every_step=opts.get("a_every_step", False))
   m_b = jax.tree.leaves(mbs_b)[0].shape[0]
   if opts["two_pass"] and m_b < 2:

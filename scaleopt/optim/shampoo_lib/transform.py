@@ -78,10 +78,11 @@ def _eligible(x, excl, stack_sizes, *, stacked, min_dim, max_dim) -> bool:
   return min(x.shape[-2:]) >= min_dim and max(x.shape[-2:]) <= max_dim
 
 
-def _all_directions(orig_l, g_l, raw_l, mu_l, nu_l, fac, blk, t, hp):
+def _all_directions(orig_l, g_l, unclipped_l, mu_l, nu_l, fac, blk, t, hp):
   """Momentum, Adam second moment and direction of every tensor (flattened lists): matrices
   with factors use b1 and P_L M P_R, fallback tensors adam_b1 and Adam. The momentum takes
-  ``g_l``, the Adam second moment ``raw_l`` (the gradient before a numerator-only clip)."""
+  ``g_l``, the Adam second moment ``unclipped_l`` (the gradient before a numerator-only
+  clip)."""
   out_u, out_mu, out_nu = list(g_l), list(mu_l), list(nu_l)
   for i, g in enumerate(g_l):
     if is_masked(g):
@@ -90,9 +91,8 @@ def _all_directions(orig_l, g_l, raw_l, mu_l, nu_l, fac, blk, t, hp):
     b1_i = hp["b1"] if f is not None else hp["ab1"]
     out_mu[i] = b1_i * mu_l[i] + (1 - b1_i) * g
     adam = (1.0 - b1_i ** t, hp["ab2"], 1.0 - hp["ab2"] ** t, hp["eps"])
-    u, out_nu[i] = _direction(raw_l[i], out_mu[i], nu_l[i], f, blk.get(str(i)), hp["graft"],
-                              adam,
-                              hp["update_clip_fro"], hp["matmul_precision"])
+    u, out_nu[i] = _direction(unclipped_l[i], out_mu[i], nu_l[i], f, blk.get(str(i)),
+                              hp["graft"], adam, hp["update_clip_fro"], hp["matmul_precision"])
     out_u[i] = u.astype(orig_l[i].dtype)
   return out_u, out_mu, out_nu
 
@@ -230,27 +230,27 @@ def scale_by_shampoo(
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     del params
-    pre = None
+    precond = None
     if mode != "std":
       if bc_stats is None or not isinstance(bc_stats.precond, ShampooPrecond):
         raise ValueError(f"scale_by_shampoo(mode={mode!r}) needs bc_stats from "
                          "scaleopt.optim.collect")
       check_numerator(updates, bc_stats, f"scale_by_shampoo(mode={mode!r})")
-      pre = bc_stats.precond
+      precond = bc_stats.precond
     count, count_inc = state.count, optax.safe_increment(state.count)
     orig_l, td = jax.tree.flatten(updates, is_leaf=is_masked)
     g_l = [g if is_masked(g) else g.astype(jnp.float32) for g in orig_l]
     # the statistics' gradient: before a numerator-only clip
-    raw_l = td.flatten_up_to(unclipped_numerator(bc_stats, td.unflatten(g_l)))
+    unclipped_l = td.flatten_up_to(unclipped_numerator(bc_stats, td.unflatten(g_l)))
     mu_l, nu_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
     keys = sorted(state.factors)
     blk = blockings_of(updates, keys, block_size, block_major, block_shards)
     fac, rules = update_factors(
-        state.factors, raw_l, blk, keys, count, pre, step_is_finite(bc_stats), mode=mode,
-        stats_every=stats_every, root_every=root_every, b2=b2, stats_precision=stats_precision,
-        offload=offload_statistics, root_kw=root_kw)
+        state.factors, unclipped_l, blk, keys, count, precond, step_is_finite(bc_stats),
+        mode=mode, stats_every=stats_every, root_every=root_every, b2=b2,
+        stats_precision=stats_precision, offload=offload_statistics, root_kw=root_kw)
     out_u, out_mu, out_nu = _all_directions(
-        orig_l, g_l, raw_l, mu_l, nu_l, fac, blk, count_inc.astype(jnp.float32),
+        orig_l, g_l, unclipped_l, mu_l, nu_l, fac, blk, count_inc.astype(jnp.float32),
         dict(b1=b1, ab1=ab1, ab2=ab2, eps=eps, graft=graft, update_clip_fro=update_clip_fro,
              matmul_precision=matmul_precision))
     un = lambda l: jax.tree.unflatten(td, l)
