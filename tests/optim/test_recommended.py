@@ -80,7 +80,7 @@ def test_docs_table_matches_the_registry():
   for name, (lr, sched) in table.items():
     rec = so.recommended(name)
     assert lr == rec.learning_rate, name
-    assert sched == (", ".join(f"{k}: {v}" for k, v in rec.schedule.items()) or "cosine"), name
+    assert sched == (", ".join(f"`{k}: {v}`" for k, v in rec.schedule.items()) or "-"), name
 
 
 @pytest.mark.integration
