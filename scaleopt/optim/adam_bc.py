@@ -43,9 +43,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaleopt.optim.adam_bc_forms import (RULES, AdamBCHyper, adaptive_alpha, bias_correction,
-                                          corrected_inverse, directions, rule_dict,
-                                          std_leaf, support_clip, var_sq_of_mean)
+# the formulas stay importable from here (adaptive_alpha, b1_mix, corrected_inverse,
+# var_sq_of_mean, RULES), as do the tree helpers (tmap, unzip, check_choice, keep_finite)
+from scaleopt.optim.adam_bc_forms import (RULES, AdamBCHyper, adaptive_alpha, b1_mix,
+                                          bias_correction, corrected_inverse, directions,
+                                          rule_dict, std_leaf, support_clip, var_sq_of_mean)
 from scaleopt.optim.collect import (BCStats, CollectorSpec, StateHooks, Static, align,
                                     check_numerator, register_bc_state, unclipped_numerator)
 from scaleopt.optim.tree_utils import check_choice, is_masked, keep_finite, tmap, unzip

@@ -90,4 +90,6 @@ def test_recommended_settings_train_tiny_below_target(name, tmp_path):
   summary = loop.train(C.from_dict(_tiny_raw(name)), tmp_path)
   recorded = yaml.safe_load((tmp_path / "config.yaml").read_text())["optimizer"]
   assert recorded["learning_rate"] == so.recommended(name).learning_rate
+  print(f"{name}: learning rate {recorded['learning_rate']}, held-out loss "
+        f"{summary['final_eval_loss']:.3f} at step {STEPS}")
   assert summary["final_eval_loss"] < TARGET, (name, summary["final_eval_loss"])
