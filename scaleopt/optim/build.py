@@ -331,16 +331,16 @@ def resolved_numerics(config: Union[Mapping[str, Any], OptimizerConfig],
 RECOMMENDED = {
     "adamw": Recommended(3e-3),
     "adamw_bc": Recommended(3e-3),
-    "sophia": Recommended(1e-3),
-    "sophia_bc": Recommended(1e-3),
+    "sophia": Recommended(3e-3),
+    "sophia_bc": Recommended(3e-3),
     "shampoo": Recommended(3e-3),
     "shampoo_bc": Recommended(3e-3),
-    "muon": Recommended(2e-2),
-    "lion": Recommended(1e-3),
+    "muon": Recommended(5e-2),
+    "lion": Recommended(3e-3),
     "adafactor": Recommended(1e-1),
     "schedule_free_adamw": Recommended(3e-3, {"kind": "constant"}),
     "soap": Recommended(1e-2),
-    "soap_bc": Recommended(1e-2),
+    "soap_bc": Recommended(3e-2),
 }
 
 _ADAMW_BETAS = {"b1": 0.9, "b2": 0.95, "eps": 1e-8}  # the paper's pretraining betas
