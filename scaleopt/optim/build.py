@@ -332,7 +332,7 @@ RECOMMENDED = {
     "adamw": Recommended(3e-3),
     "adamw_bc": Recommended(3e-3),
     "sophia": Recommended(3e-3),
-    "sophia_bc": Recommended(3e-3),
+    "sophia_bc": Recommended(1e-2),
     "shampoo": Recommended(3e-3),
     "shampoo_bc": Recommended(3e-3),
     "muon": Recommended(5e-2),
