@@ -63,15 +63,16 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec, axis) -> BC
     # the stored g_r in order, k folds per step of the scan, unrolled: one chain of
     # elementwise work per step that XLA can fuse with the running sums (docs/optim.md)
     k = spec.loo_fold_chunk or default_fold_chunk()
-    (t, s1, s2), _ = jax.lax.scan(lambda carry, g_r: (step(carry, g_r), None), carry0,
-                                  g_all[0], unroll=min(k, m))
+    (terms, e_sum, e_sq_sum), _ = jax.lax.scan(lambda carry, g_r: (step(carry, g_r), None),
+                                               carry0, g_all[0], unroll=min(k, m))
   else:  # recomputed (two passes), or split over devices: folded where they lie
     reduce = lambda carry, g_rs: add(carry, sum0(vmap_over_axis(sums, m, axis)(g_rs)))
-    (t, s1, s2), _ = fold_microbatches(grad_of, step, carry0, g_all[0] if one else mbs,
-                                       vmap=one and spec.vmap and not spreads(m, axis),
-                                       reduce=reduce, axis=axis)
+    (terms, e_sum, e_sq_sum), _ = fold_microbatches(
+        grad_of, step, carry0, g_all[0] if one else mbs,
+        vmap=one and spec.vmap and not spreads(m, axis), reduce=reduce, axis=axis)
   var = lambda a, q: jnp.maximum((q - a * a / m) / (m - 1), 0.0)
-  loo = LOOStats(mean=jax.tree.map(lambda s: s / m, t), var=jax.tree.map(var, s1, s2), count=m)
+  loo = LOOStats(mean=jax.tree.map(lambda s: s / m, terms),
+                 var=jax.tree.map(var, e_sum, e_sq_sum), count=m)
   return BCStats(g_full, g_full, None, None, loo, loss, aux, c)
 
 
