@@ -116,7 +116,7 @@ def rel(a, b, axes=(-2, -1)):
 
 def measure(name, fn, fac, idx, ref, dsel, dref, repeats):
   """One table row: median time of the batched root step and the errors against float64."""
-  step = jax.jit(lambda fs: placement._batched_by_size(fs, fn))  # as a root step batches them
+  step = jax.jit(lambda fs: placement.batched_by_size(fs, fn))  # as a root step batches them
   out = jax.block_until_ready(step(fac))
   times = []
   for _ in range(repeats):
@@ -124,7 +124,7 @@ def measure(name, fn, fac, idx, ref, dsel, dref, repeats):
     jax.block_until_ready(step(fac))
     times.append(time.perf_counter() - t0)
   err = np.concatenate([rel(np.asarray(out[s])[idx[s]], ref[s]) for s in fac])
-  root1 = jax.jit(lambda x: placement._batched_by_size({0: x}, fn)[0])
+  root1 = jax.jit(lambda x: placement.batched_by_size({0: x}, fn)[0])
   derr = []
   for (mb, lf, rf), d_ref in zip(dsel, dref):
     pl, pr = np.asarray(root1(lf), np.float64), np.asarray(root1(rf), np.float64)

@@ -24,22 +24,22 @@ from scaleopt.optim.baselines import eval_params
 from scaleopt.optim.soap_lib import ScaleBySoapState, scale_by_soap, soap, soap_bc
 from scaleopt.optim.schedules import ScheduleConfig, make_schedule
 from scaleopt.optim.muon import muon
-from scaleopt.optim.build import (OptimizerConfig, build, config_class, extra_config,
-                                  finite_updates, names, register_optimizer, resolved_numerics)
+from scaleopt.optim.build import (OptimizerConfig, Recommended, build, config_class,
+                                  extra_config, finite_updates, names, recommended,
+                                  register_optimizer, resolved_numerics, with_recommended)
 
 __all__ = [
     "BCStats", "CollectorSpec", "GroupStats", "LOOStats", "MicrobatchAxis", "Static",
-    "StateHooks",
-    "clip_by_global_norm", "collect", "collector_options", "collector_spec", "find_bc_states", "register_bc_state",
-    "register_estimator", "rule_counts", "schedule_count", "skipped_tensors", "value_and_grad_fn",
+    "StateHooks", "clip_by_global_norm", "collect", "collector_options", "collector_spec",
+    "find_bc_states", "register_bc_state", "register_estimator", "rule_counts",
+    "schedule_count", "skipped_tensors", "value_and_grad_fn",
     "ScaleByAdamBCState", "adamw_bc", "scale_by_adam_bc",
     "ScaleBySophiaState", "SophiaCurvature", "scale_by_sophia", "sophia", "sophia_bc",
     "ScaleByShampooState", "ShampooPrecond", "in_host_memory", "scale_by_shampoo", "shampoo",
     "shampoo_bc",
-    "ScheduleConfig", "make_schedule", "OptimizerConfig", "build", "config_class", "extra_config",
-    "finite_updates", "muon",
-    "resolved_numerics",
-    "names",
-    "register_optimizer", "delta", "gnb", "eval_params", "ScaleBySoapState", "scale_by_soap",
-    "soap", "soap_bc",
+    "ScaleBySoapState", "scale_by_soap", "soap", "soap_bc",
+    "ScheduleConfig", "make_schedule", "OptimizerConfig", "Recommended", "build",
+    "config_class", "extra_config", "finite_updates", "names", "recommended",
+    "register_optimizer", "resolved_numerics", "with_recommended",
+    "muon", "delta", "gnb", "eval_params",
 ]

@@ -43,9 +43,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaleopt.optim import delta
+# the formulas stay importable from here (adaptive_alpha, b1_mix, corrected_inverse,
+# var_sq_of_mean, RULES), as do the tree helpers (tmap, unzip, check_choice, keep_finite)
+from scaleopt.optim.adam_bc_forms import (RULES, AdamBCHyper, adaptive_alpha, b1_mix,
+                                          bias_correction, corrected_inverse, directions,
+                                          rule_dict, std_leaf, support_clip, var_sq_of_mean)
 from scaleopt.optim.collect import (BCStats, CollectorSpec, StateHooks, Static, align,
-                                    register_bc_state, unclipped_numerator)
+                                    check_numerator, register_bc_state, unclipped_numerator)
+from scaleopt.optim.tree_utils import check_choice, is_masked, keep_finite, tmap, unzip
 
 PyTree = Any
 MaskedNode = optax.MaskedNode
@@ -70,26 +75,6 @@ class ScaleByAdamBCState(NamedTuple):
   spec: Static
   hp: dict
   rules: jax.Array
-
-
-def _masked(x) -> bool:
-  return isinstance(x, MaskedNode)
-
-
-def tmap(fn: Callable, *trees):
-  """``jax.tree.map`` that passes MaskedNode leaves of the first tree through."""
-  return jax.tree.map(lambda x, *r: x if _masked(x) else fn(x, *r), *trees, is_leaf=_masked)
-
-
-def unzip(out: PyTree, like: PyTree, n: int) -> tuple:
-  """n trees from a tree of n-tuples (built by ``tmap`` over ``like``)."""
-  return tuple(jax.tree.map(lambda u, o: u if _masked(u) else o[i], like, out, is_leaf=_masked)
-               for i in range(n))
-
-
-def check_choice(name: str, value, allowed):
-  if value not in allowed:
-    raise ValueError(f"{name}={value!r} is not allowed; choose one of {allowed}")
 
 
 def _resolve(mode: str, crossfit: str, correction: Optional[str], v_source: str) -> str:
@@ -124,13 +109,14 @@ def adam_bc_collector_spec(mode, crossfit, correction, v_source) -> CollectorSpe
 
 # ----------------------------------------------------------------------------- collector hooks
 
-def _moments(state: ScaleByAdamBCState, hp: dict):
+def _debias(state: ScaleByAdamBCState, hp: dict):
+  """(1 - b1^t, 1 - b2^t) of the update the state is about to take (t = count + 1)."""
   t = state.count.astype(jnp.float32) + 1.0
-  return t, 1.0 - hp["b1"] ** t, 1.0 - hp["b2"] ** t
+  return 1.0 - hp["b1"] ** t, 1.0 - hp["b2"] ** t
 
 
 def loo_fold_fn(state: ScaleByAdamBCState, hp: dict, g_full, m) -> Callable:
-  """Per-fold terms of the leave-one-out update (notes section 3.3).
+  """Per-fold terms of the leave-one-out update (docs/optim.md derives them).
 
   For fold r with g_{-r} = (m g_full - g_r) / (m - 1):
 
@@ -141,19 +127,19 @@ def loo_fold_fn(state: ScaleByAdamBCState, hp: dict, g_full, m) -> Callable:
   this state (another partition branch) get scalar zeros.
   """
   b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
-  _, bc1, bc2 = _moments(state, hp)
+  m_denom, v_denom = _debias(state, hp)
 
-  def leaf(mu, nu, gr, gf):
-    if _masked(mu):
+  def leaf(mu, nu, g_r, g_f):
+    if is_masked(mu):
       z = jnp.zeros((), jnp.float32)
       return z, z, z
-    g_mr = (m * gf - gr) / (m - 1)
-    m_hat = (b1 * mu + (1 - b1) * gr) / bc1
-    d = jnp.sqrt(jnp.maximum((b2 * nu + (1 - b2) * g_mr * g_mr) / bc2, 0.0)) + eps
+    g_minus_r = (m * g_f - g_r) / (m - 1)
+    m_hat = (b1 * mu + (1 - b1) * g_r) / m_denom
+    d = jnp.sqrt(jnp.maximum((b2 * nu + (1 - b2) * g_minus_r * g_minus_r) / v_denom, 0.0)) + eps
     return m_hat / d, m_hat / (d * d * d), d
 
   def fold(g_r):
-    out = jax.tree.map(leaf, state.mu, state.nu, g_r, g_full, is_leaf=_masked)
+    out = jax.tree.map(leaf, state.mu, state.nu, g_r, g_full, is_leaf=is_masked)
     first, third, d = unzip(out, g_r, 3)
     return {"first": first, "third": third}, d
 
@@ -162,225 +148,18 @@ def loo_fold_fn(state: ScaleByAdamBCState, hp: dict, g_full, m) -> Callable:
 
 def post_ema_var_fn(state: ScaleByAdamBCState, hp: dict) -> Callable:
   """The reference code's per-microbatch denominator p_j = sqrt(max(0, (b2 v_{t-1} +
-  (1-b2) g_j^2) / (1 - b2^t))), whose Welford variance is its post-EMA Var (notes 4.2)."""
+  (1-b2) g_j^2) / (1 - b2^t))), whose Welford variance is its post-EMA Var."""
   b2 = hp["b2"]
-  _, _, bc2 = _moments(state, hp)
-  leaf = lambda nu, g: (jnp.zeros((), jnp.float32) if _masked(nu) else
-                        jnp.sqrt(jnp.maximum((b2 * nu + (1 - b2) * g * g) / bc2, 0.0)))
-  return lambda g: jax.tree.map(leaf, state.nu, g, is_leaf=_masked)
+  _, v_denom = _debias(state, hp)
+  leaf = lambda nu, g: (jnp.zeros((), jnp.float32) if is_masked(nu) else
+                        jnp.sqrt(jnp.maximum((b2 * nu + (1 - b2) * g * g) / v_denom, 0.0)))
+  return lambda g: jax.tree.map(leaf, state.nu, g, is_leaf=is_masked)
 
 
 register_bc_state(ScaleByAdamBCState, StateHooks(fold_fn=loo_fold_fn, var_fn=post_ema_var_fn))
 
 
-# ----------------------------------------------------------------------------- formulas
-
-def var_sq_of_mean(g_bar, var_g, m):
-  """Unbiased Var(g_bar^2) from the same m microbatches: 4 g^2 V - 2 V^2 (m-1)/(m+1)."""
-  return 4.0 * g_bar * g_bar * var_g - 2.0 * (m - 1.0) / (m + 1.0) * var_g * var_g
-
-
-def corrected_inverse(v_hat, var_x, b, eps, correction, scale=1.0, reference_pre_ema=False):
-  """1 / (sqrt(v_hat) + eps), minus the delta-method term of ``correction`` (see module doc).
-
-  ``var_x`` is Var(x) of the statistic entering v this step, or Var(p_bar) of the reference
-  per-microbatch denominators for ``reference_post_ema``. Clamped at 0.
-  """
-  d = jnp.sqrt(v_hat) + eps
-  if correction == "none":
-    return 1.0 / d
-  if correction == "reference_post_ema":
-    return delta.inv_corrected(d, var_x, scale=scale)
-  u = jnp.maximum(v_hat, 1e-12)
-  bv = (b * b) * var_x  # first, so that zero variance gives exactly zero correction
-  if correction == "post_ema":
-    return delta.inv_corrected(d, bv / (4.0 * u), scale=scale)
-  k2 = 3.0 / 8.0 if reference_pre_ema else 1.0 / 8.0
-  corr = bv * (1.0 / (4.0 * u * d * d * d) + k2 / (u * jnp.sqrt(u) * d * d))
-  return jnp.maximum(1.0 / d - scale * corr, 0.0)
-
-
-def adaptive_alpha(g_a: jax.Array, x_b: jax.Array, alpha_max) -> jax.Array:
-  """The reference's adaptive cross-fit weight of one tensor: alpha_max clip(cos(s_A, s_B), 0, 1)
-  with s_A = g_A^2 and s_B the B statistic."""
-  s_a = (g_a * g_a).ravel()
-  s_b = x_b.ravel()
-  cos = jnp.dot(s_a, s_b) / jnp.maximum(jnp.linalg.norm(s_a) * jnp.linalg.norm(s_b), 1e-30)
-  return alpha_max * jnp.clip(cos, 0.0, 1.0)
-
-
-def keep_finite(u, pairs, also=None):
-  """Per tensor: where u (or ``also``) is not finite, zero u and keep the old state leaves.
-
-  ``pairs``: ((new, old), ...) state trees. Returns (u, [new trees], number of skipped tensors).
-  """
-  ok = tmap(lambda x: jnp.all(jnp.isfinite(x)), u)
-  if also is not None:
-    ok = tmap(lambda o, a: o & jnp.all(jnp.isfinite(a)), ok, also)
-  pick = lambda new, old: tmap(lambda o, n, p: jnp.where(o, n, p), ok, new, old)
-  skipped = jnp.asarray(sum(jnp.sum(~o) for o in jax.tree.leaves(ok)), jnp.int32)
-  return pick(u, tmap(jnp.zeros_like, u)), [pick(n, o) for n, o in pairs], skipped
-
-
-def _support_clip(u, g, st, v_source, tau):
-  """u_k <- u_k min(1, sqrt(tau (x_k + 1e-12) / (g_Ak^2 + 1e-12))), x the B statistic."""
-  x_b = align(st.b.sq if v_source == "mean_sq" else jax.tree.map(lambda t: t * t, st.b.mean), g)
-  return tmap(lambda u_, x, ga: jnp.where(tau > 0, u_ * jnp.minimum(1.0, jnp.sqrt(
-      tau * (x + 1e-12) / (ga * ga + 1e-12))), u_), u, x_b, g)
-
-
 # ----------------------------------------------------------------------------- transform
-
-class _Hyper(NamedTuple):
-  b1: Any
-  b2: Any
-  eps: Any
-  correction: str
-  v_source: str
-  correction_scale: Any
-  reference_pre_ema: bool
-  crossfit_alpha: Any
-  adaptive: bool
-  loo_variance: str
-
-
-def _statistic(h: _Hyper, grp, m) -> tuple[PyTree, PyTree]:
-  """(x, Var(x)) trees of a group: x = g_bar^2 or the mean of squares."""
-  if h.v_source == "mean_sq":
-    return grp.sq, grp.var
-  x = jax.tree.map(lambda g: g * g, grp.mean)
-  if grp.var is None:
-    return x, None
-  if h.correction == "reference_post_ema":
-    return x, grp.var
-  return x, jax.tree.map(lambda g, v: jnp.maximum(var_sq_of_mean(g, v, m), 0.0), grp.mean,
-                         grp.var)
-
-
-# Coordinates a rule changed at the last update (``ScaleByAdamBCState.rules``), in this order.
-RULES = ("sign_flips_zeroed", "inverse_clamped", "enlarging", "variance_clamped")
-
-
-def _rule_dict(counts: jax.Array) -> dict:
-  return {name: counts[i] for i, name in enumerate(RULES)}
-
-
-def _counts(flips=0, clamped=0, enlarged=0):
-  """The per-leaf count vector of ``RULES`` (variance clamps are counted per statistic)."""
-  c = lambda x: jnp.sum(jnp.asarray(x, jnp.int32))
-  return jnp.stack([c(flips), c(clamped), c(enlarged), jnp.int32(0)])
-
-
-def _inv_counts(inv, v_hat, eps):
-  """Coordinates whose corrected inverse was clamped at 0, and those the correction enlarged."""
-  plain = 1.0 / (jnp.sqrt(v_hat) + eps)
-  return (inv <= 0) & (plain > 0), inv > plain
-
-
-def _ab_leaf(h, t_bc, g, raw, mu, nu, x, var_x):
-  """One tensor of the A/B (and inv) forms: m <- g_A, v <- x_B, u = m_hat inv(v_hat);
-  ``raw`` is g_A before a numerator-only clip (the alpha mix's g_A^2)."""
-  bc1, bc2, b = t_bc
-  if h.adaptive:
-    alpha = adaptive_alpha(raw, x, h.crossfit_alpha)
-  else:
-    alpha = h.crossfit_alpha
-  x = (1 - alpha) * (raw * raw) + alpha * x  # alpha = 1 leaves x bit-identical
-  if var_x is not None and h.correction != "reference_post_ema":
-    var_x = (alpha * alpha) * var_x  # Var of the mixed statistic's B part: alpha^2 Var(x_B)
-  m_new = b1_mix(h.b1, mu, g)
-  v_new = h.b2 * nu + (1 - h.b2) * x
-  v_hat = jnp.maximum(v_new / bc2, 0.0)
-  inv = corrected_inverse(v_hat, var_x, b, h.eps, h.correction, h.correction_scale,
-                          h.reference_pre_ema)
-  return (m_new / bc1) * inv, m_new, v_new, _counts(0, *_inv_counts(inv, v_hat, h.eps))
-
-
-def b1_mix(b1, mu, g):
-  return b1 * mu + (1 - b1) * g
-
-
-def _symmetric_leaf(h, t_bc, g, mu, nu, ga, xa, va, gb, xb, vb):
-  """Persistent m, v from g_full; u = (m_hat_A inv_B + m_hat_B inv_A) / 2 (candidates)."""
-  bc1, bc2, b = t_bc
-
-  def side(g_s, x_s, var_s):
-    v_hat = jnp.maximum((h.b2 * nu + (1 - h.b2) * x_s) / bc2, 0.0)
-    inv = corrected_inverse(v_hat, var_s, b, h.eps, h.correction, h.correction_scale,
-                            h.reference_pre_ema)
-    return b1_mix(h.b1, mu, g_s) / bc1, inv, _inv_counts(inv, v_hat, h.eps)
-
-  m_a, inv_a, (ca, ea) = side(ga, xa, va)
-  m_b, inv_b, (cb, eb) = side(gb, xb, vb)
-  return (0.5 * (m_a * inv_b + m_b * inv_a), b1_mix(h.b1, mu, g),
-          h.b2 * nu + (1 - h.b2) * g * g, _counts(0, ca | cb, ea | eb))
-
-
-def _loo_leaf(h, g, mu, nu, first, third, dvar):
-  """u = mean_r m_hat_r/d_r - scale V mean_r m_hat_r/d_r^3 (sign flips zeroed); ``dvar`` is
-  V (see ``scale_by_adam_bc``'s ``loo_variance``)."""
-  u, cnt = first, _counts()
-  if h.correction != "none":
-    u = first - h.correction_scale * dvar * third
-    flip = jnp.sign(u) != jnp.sign(first)
-    cnt = _counts(flip, 0, ~flip & (jnp.abs(u) > jnp.abs(first)))
-    u = jnp.where(flip, 0.0, u)
-  return u, b1_mix(h.b1, mu, g), h.b2 * nu + (1 - h.b2) * g * g, cnt
-
-
-def _std_leaf(h, t_bc, g, raw, mu, nu):
-  """Adam: m <- g, v <- raw^2 (raw: g before a numerator-only clip, else g)."""
-  bc1, bc2, _ = t_bc
-  m_new, v_new = b1_mix(h.b1, mu, g), h.b2 * nu + (1 - h.b2) * raw * raw
-  return (m_new / bc1) / (jnp.sqrt(v_new / bc2) + h.eps), m_new, v_new, _counts()
-
-
-def _per_leaf(leaf, g, *trees):
-  """(u, m, v, counts of ``RULES`` summed over the tensors) of ``leaf`` mapped over tensors."""
-  u, m, v, c = unzip(tmap(leaf, g, *trees), g, 4)
-  return u, m, v, sum(jax.tree.leaves(c), _counts())
-
-
-def _negative_var(h, grp, like) -> jax.Array:
-  """Coordinates whose unbiased Var(g_bar^2) estimate was negative (clamped at 0)."""
-  if h.v_source == "mean_sq" or h.correction == "reference_post_ema" or grp.var is None:
-    return jnp.int32(0)
-  neg = jax.tree.map(lambda g, v: jnp.sum(var_sq_of_mean(g, v, grp.count) < 0),
-                     align(grp.mean, like), align(grp.var, like))
-  return sum(jax.tree.leaves(neg), jnp.int32(0)).astype(jnp.int32)
-
-
-def _directions(h, mode, crossfit, t_bc, g, raw, state, st):
-  """(u, m, v, rule counts) of the chosen form; ``g`` is the float32 numerator, ``raw`` the
-  same before a numerator-only clip (second-moment statistics; see
-  ``collect.clip_by_global_norm``)."""
-  mu, nu = state.mu, state.nu
-  if mode == "std":
-    return _per_leaf(lambda *a: _std_leaf(h, t_bc, *a), g, raw, mu, nu)
-  if mode in ("cf", "full") and crossfit == "loo":
-    if st.loo is None:
-      raise ValueError("crossfit='loo' needs bc_stats from the 'loo' layout")
-    var = st.loo.var
-    if h.loo_variance == "per_fold":  # (m - 1) x the spread over folds (see scale_by_adam_bc)
-      var = jax.tree.map(lambda v: (st.loo.count - 1) * v, var)
-    lo = [align(x, g) for x in (st.loo.mean["first"], st.loo.mean["third"], var)]
-    return _per_leaf(lambda *a: _loo_leaf(h, *a), g, mu, nu, *lo)
-  zeros = lambda tr: tr if tr is not None else jax.tree.map(lambda _: jnp.zeros(()), g)
-  var_rule = jnp.zeros(4, jnp.int32).at[3]
-  if mode in ("cf", "full") and crossfit == "symmetric":
-    xa, va = _statistic(h, st.a, st.a.count)
-    xb, vb = _statistic(h, st.b, st.b.count)
-    trees = [align(zeros(x), g) for x in (st.a.mean, xa, va, st.b.mean, xb, vb)]
-    u, m, v, c = _per_leaf(lambda *a: _symmetric_leaf(h, t_bc, *a), g, mu, nu, *trees)
-    return u, m, v, c + var_rule.set(_negative_var(h, st.a, g) + _negative_var(h, st.b, g))
-  x, var_x = _statistic(h, st.b, st.b.count)
-  if h.correction != "none" and var_x is None:
-    raise ValueError("a variance correction needs group variances in bc_stats; collect them "
-                     "with scaleopt.optim.collect from this transform's state")
-  x, var_x = align(x, g), align(zeros(var_x), g)
-  u, m, v, c = _per_leaf(lambda *a: _ab_leaf(h, t_bc, *a), g, raw, mu, nu, x, var_x)
-  return u, m, v, c + var_rule.set(_negative_var(h, st.b, g))
-
 
 def scale_by_adam_bc(
     b1: float = 0.9,
@@ -457,8 +236,8 @@ def scale_by_adam_bc(
   state_dtype = jnp.dtype(state_dtype)
   mu_dtype = state_dtype if mu_dtype is None else jnp.dtype(mu_dtype)
   check_choice("loo_variance", loo_variance, LOO_VARIANCES)
-  h = _Hyper(b1, b2, eps, correction, v_source, correction_scale, reference_pre_ema,
-             crossfit_alpha, crossfit_alpha_adaptive, loo_variance)
+  hyper = AdamBCHyper(b1, b2, eps, correction, v_source, correction_scale, reference_pre_ema,
+                      crossfit_alpha, crossfit_alpha_adaptive, loo_variance)
   hp = lambda: {k: jnp.asarray(v, jnp.float32) for k, v in (("b1", b1), ("b2", b2), ("eps", eps))}
   is_zero = lambda v: isinstance(v, (int, float)) and v == 0
 
@@ -466,29 +245,30 @@ def scale_by_adam_bc(
     z = lambda dt: lambda p: jnp.zeros(jnp.shape(p), dt)
     return ScaleByAdamBCState(jnp.zeros([], jnp.int32), jax.tree.map(z(mu_dtype), params),
                               jax.tree.map(z(state_dtype), params), jnp.zeros([], jnp.int32),
-                              Static(spec), hp(), _rule_dict(jnp.zeros(len(RULES), jnp.int32)))
+                              Static(spec), hp(), rule_dict(jnp.zeros(len(RULES), jnp.int32)))
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     del params
     if mode != "std" and bc_stats is None:
       raise ValueError(f"scale_by_adam_bc(mode={mode!r}) needs bc_stats from "
                        "scaleopt.optim.collect; only mode='std' works without them")
+    if mode != "std":
+      check_numerator(updates, bc_stats, f"scale_by_adam_bc(mode={mode!r})")
     count_inc = optax.safe_increment(state.count)
-    bc2 = 1 - b2 ** count_inc
-    t_bc = (1 - b1 ** count_inc, bc2, (1 - b2) / bc2)
+    bc = bias_correction(b1, b2, count_inc)
     g = tmap(lambda x: x.astype(jnp.float32), updates)
-    raw = unclipped_numerator(bc_stats, g)
-    u, m_new, v_new, rules = _directions(h, mode, crossfit, t_bc, g, raw, state, bc_stats)
+    unclipped = unclipped_numerator(bc_stats, g)
+    u, m_new, v_new, rules = directions(hyper, mode, crossfit, bc, g, unclipped, state, bc_stats)
     if mode in ("cf", "full") and crossfit in ("ab", "rolling_b") and not is_zero(support_clip_tau):
-      u = _support_clip(u, g, bc_stats, v_source, support_clip_tau)
+      u = support_clip(u, g, bc_stats, v_source, support_clip_tau)
     if not is_zero(update_clip):  # arrays under inject_hyperparams: 0 still means off
       u = tmap(lambda x: jnp.where(update_clip > 0, jnp.clip(x, -update_clip, update_clip), x), u)
     if not is_zero(std_warmup_steps):
       full = align(bc_stats.full, g) if bc_stats is not None else g
-      w = unzip(tmap(lambda *a: _std_leaf(h, t_bc, *a), full, full, state.mu, state.nu), g, 3)
+      adam = unzip(tmap(lambda *a: std_leaf(hyper, bc, *a), full, full, state.mu, state.nu), g, 3)
       warm = state.count < std_warmup_steps
       u, m_new, v_new = (tmap(lambda a, b_: jnp.where(warm, a, b_), x, y)
-                         for x, y in zip(w, (u, m_new, v_new)))
+                         for x, y in zip(adam, (u, m_new, v_new)))
       rules = jnp.where(warm, 0, rules)
     skipped = jnp.zeros([], jnp.int32)
     if skip_nonfinite and mode != "std":
@@ -496,7 +276,7 @@ def scale_by_adam_bc(
     out = tmap(lambda x, ref: x.astype(ref.dtype), u, updates)
     cast = lambda tr, dt: tmap(lambda x: x.astype(dt), tr)
     return out, ScaleByAdamBCState(count_inc, cast(m_new, mu_dtype), cast(v_new, state_dtype),
-                                   skipped, state.spec, hp(), _rule_dict(rules))
+                                   skipped, state.spec, hp(), rule_dict(rules))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

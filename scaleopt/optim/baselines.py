@@ -5,8 +5,8 @@ optax alias (``build`` registers them as ``lion``, ``adafactor``, ``schedule_fre
 
 * ``lion``: ``optax.lion`` (Chen et al. 2023), u = sign(b1 m + (1 - b1) g),
   m <- b2 m + (1 - b2) g, theta <- theta (1 - lr wd) - lr u. Betas (0.9, 0.99) unless set;
-  ``extra.mu_dtype``. Lion's update has unit RMS: its learning rate is typically 3-10x below
-  AdamW's and its weight decay as much higher (same lr * wd).
+  ``extra.mu_dtype``. Lion's update has unit RMS, so its learning rate is smaller than AdamW's
+  and its weight decay larger by the same factor (same lr * wd).
 * ``adafactor``: ``optax.adafactor`` (Shazeer & Stern 2018) with its defaults (factored second
   moment for dims >= 128, decay_rate 0.8, update clipping 1.0, relative step size
   ``multiply_by_parameter_scale``, no momentum unless ``b1`` is set, eps 1e-30 unless set).

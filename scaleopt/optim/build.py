@@ -52,10 +52,20 @@ Factory = Callable[..., optax.GradientTransformation]
 COLLECTOR_KEYS = ("loo_passes", "vmap_microbatches", "loo_storage", "loo_fold_chunk")
 
 
+@dataclasses.dataclass(frozen=True)
+class Recommended:
+  """An optimizer's recommended learning rate and schedule keys (``ScheduleConfig`` fields,
+  e.g. ``{"kind": "constant"}``), which a training config takes where its optimizer section
+  sets none (``with_recommended``). docs/optim.md lists them and how they were chosen."""
+  learning_rate: float
+  schedule: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
 class Registered(NamedTuple):
   factory: Factory
   config: Optional[type]  # the dataclass of ``extra``'s keys; None: any key (the factory checks)
   finite_updates: Union[bool, Callable[["OptimizerConfig"], bool]]
+  recommended: Optional[Recommended] = None
 
 
 _REGISTRY: dict[str, Registered] = {}
@@ -88,7 +98,8 @@ def extra_config(cls_name: str, *fns: Callable, drop: tuple = (), keep: Optional
 
 def register_optimizer(name: str, factory: Optional[Factory] = None, *,
                        config: Optional[type] = None,
-                       finite_updates: Union[bool, Callable[["OptimizerConfig"], bool]] = False):
+                       finite_updates: Union[bool, Callable[["OptimizerConfig"], bool]] = False,
+                       recommended: Optional[Recommended] = None):
   """Registers ``factory`` under ``name`` (usable as a decorator).
 
   ``factory(cfg, learning_rate, *, wd_mask, sparse_filter)`` returns the transform without
@@ -103,12 +114,14 @@ def register_optimizer(name: str, factory: Optional[Factory] = None, *,
   then decides a skip from the loss and gradient alone, before the update, and applies the
   update in one pass over the state; leave it False unless that is proven: the step then
   also checks the update's norm.
+  ``recommended``: the ``Recommended`` learning rate and schedule keys a training config takes
+  where it sets none (None: ``OptimizerConfig``'s defaults).
   """
   if config is not None and not dataclasses.is_dataclass(config):
     raise TypeError(f"register_optimizer({name!r}): config must be a dataclass, got {config!r}")
 
   def deco(f):
-    _REGISTRY[name] = Registered(f, config, finite_updates)
+    _REGISTRY[name] = Registered(f, config, finite_updates, recommended)
     return f
   return deco(factory) if factory is not None else deco
 
@@ -121,6 +134,27 @@ def config_class(name: str) -> Optional[type]:
 def names() -> tuple[str, ...]:
   """Registered optimizer names."""
   return tuple(_REGISTRY)
+
+
+def recommended(name: str) -> Optional[Recommended]:
+  """The recommended learning rate and schedule keys of a registered optimizer (None when it
+  was registered without them)."""
+  return _REGISTRY[name].recommended
+
+
+def with_recommended(section: Mapping[str, Any]) -> dict:
+  """An optimizer section (a mapping with a registered ``name``) with its optimizer's
+  ``recommended`` learning rate where it sets no ``learning_rate``, and its recommended
+  schedule keys where ``schedule`` sets none of them; every key the section sets is kept."""
+  out = dict(section)
+  rec = _REGISTRY[out["name"]].recommended if out.get("name") in _REGISTRY else None
+  if rec is None:
+    return out
+  out.setdefault("learning_rate", rec.learning_rate)
+  schedule = out.get("schedule")
+  if rec.schedule and (schedule is None or isinstance(schedule, Mapping)):
+    out["schedule"] = {**rec.schedule, **(schedule or {})}
+  return out
 
 
 def finite_updates(config: Union[Mapping[str, Any], "OptimizerConfig"]) -> bool:
@@ -291,6 +325,24 @@ def resolved_numerics(config: Union[Mapping[str, Any], OptimizerConfig],
 
 # ----------------------------------------------------------------------------- shipped names
 
+# The recommended learning rate (and schedule keys where one is needed) of each shipped name:
+# the rate of a short learning-rate sweep on the ``tiny`` config (docs/optim.md, "Recommended
+# learning rates", lists them with the loss they reach and the command that measures it).
+RECOMMENDED = {
+    "adamw": Recommended(3e-3),
+    "adamw_bc": Recommended(3e-3),
+    "sophia": Recommended(3e-3),
+    "sophia_bc": Recommended(1e-2),
+    "shampoo": Recommended(3e-3),
+    "shampoo_bc": Recommended(3e-3),
+    "muon": Recommended(5e-2),
+    "lion": Recommended(3e-3),
+    "adafactor": Recommended(1e-1),
+    "schedule_free_adamw": Recommended(3e-3, {"kind": "constant"}),
+    "soap": Recommended(1e-2),
+    "soap_bc": Recommended(3e-2),
+}
+
 _ADAMW_BETAS = {"b1": 0.9, "b2": 0.95, "eps": 1e-8}  # the paper's pretraining betas
 
 
@@ -308,7 +360,8 @@ def _adam_is_finite(cfg) -> bool:
 
 
 @register_optimizer("adamw", config=extra_config("AdamWConfig", optax.adamw, keep=("mu_dtype",)),
-                    finite_updates=_adam_is_finite)
+                    finite_updates=_adam_is_finite,
+                    recommended=RECOMMENDED["adamw"])
 def _adamw(cfg, lr, *, wd_mask, sparse_filter):
   """optax.adamw with the paper's pretraining betas (0.9, 0.95, 1e-8) unless set; extra
   ``mu_dtype`` (e.g. ``bfloat16``) is optax's first-moment dtype."""
@@ -319,7 +372,7 @@ def _adamw(cfg, lr, *, wd_mask, sparse_filter):
 
 @register_optimizer("adamw_bc", config=extra_config(
     "AdamWBCConfig", adam_bc.adamw_bc, collector_options, drop=("sparse_learning_rate",),
-    also={"sparse_lr_ratio": 1.0}))
+    also={"sparse_lr_ratio": 1.0}), recommended=RECOMMENDED["adamw_bc"])
 def _adamw_bc(cfg, lr, *, wd_mask, sparse_filter):
   ex = dict(cfg.extra)
   ratio = ex.pop("sparse_lr_ratio", 1.0)
@@ -341,9 +394,11 @@ def _sophia_factory(alias):
 
 
 register_optimizer("sophia", _sophia_factory(sophia_lib.sophia), config=extra_config(
-    "SophiaConfig", sophia_lib.sophia, sophia_lib.scale_by_sophia))
+    "SophiaConfig", sophia_lib.sophia, sophia_lib.scale_by_sophia),
+    recommended=RECOMMENDED["sophia"])
 register_optimizer("sophia_bc", _sophia_factory(sophia_lib.sophia_bc), config=extra_config(
-    "SophiaBCConfig", sophia_lib.sophia_bc, sophia_lib.scale_by_sophia, collector_options))
+    "SophiaBCConfig", sophia_lib.sophia_bc, sophia_lib.scale_by_sophia, collector_options),
+    recommended=RECOMMENDED["sophia_bc"])
 
 
 def _shampoo_factory(alias):
@@ -358,13 +413,15 @@ def _shampoo_factory(alias):
 
 
 register_optimizer("shampoo", _shampoo_factory(shampoo_lib.shampoo), config=extra_config(
-    "ShampooConfig", shampoo_lib.shampoo, shampoo_lib.scale_by_shampoo, drop=("exclude",)))
+    "ShampooConfig", shampoo_lib.shampoo, shampoo_lib.scale_by_shampoo, drop=("exclude",)),
+    recommended=RECOMMENDED["shampoo"])
 register_optimizer("shampoo_bc", _shampoo_factory(shampoo_lib.shampoo_bc), config=extra_config(
     "ShampooBCConfig", shampoo_lib.shampoo_bc, shampoo_lib.scale_by_shampoo, collector_options,
-    drop=("exclude",)))
+    drop=("exclude",)), recommended=RECOMMENDED["shampoo_bc"])
 
 
-@register_optimizer("muon", config=extra_config("MuonConfig", muon, drop=("beta",)))
+@register_optimizer("muon", config=extra_config("MuonConfig", muon, drop=("beta",)),
+                    recommended=RECOMMENDED["muon"])
 def _muon_factory(cfg, lr, *, wd_mask, sparse_filter):
   b = {"b1": 0.95, "eps": 1e-8, **cfg.betas()}
   return muon(lr, b["b1"], b["eps"], cfg.weight_decay, wd_mask, sparse_filter, **cfg.extra)
@@ -372,13 +429,16 @@ def _muon_factory(cfg, lr, *, wd_mask, sparse_filter):
 
 # optax's own Lion, Adafactor and schedule-free AdamW (``scaleopt.optim.baselines``)
 register_optimizer("lion", baselines.lion,
-                   config=extra_config("LionConfig", optax.lion, keep=("mu_dtype",)))
+                   config=extra_config("LionConfig", optax.lion, keep=("mu_dtype",)),
+                   recommended=RECOMMENDED["lion"])
 register_optimizer("adafactor", baselines.adafactor, config=extra_config(
     "AdafactorConfig", optax.adafactor,
-    drop=("momentum", "weight_decay_rate", "weight_decay_mask")))
+    drop=("momentum", "weight_decay_rate", "weight_decay_mask")),
+    recommended=RECOMMENDED["adafactor"])
 register_optimizer("schedule_free_adamw", baselines.schedule_free_adamw,
                    config=extra_config("ScheduleFreeAdamWConfig", optax.contrib.schedule_free,
-                                       keep=("weight_lr_power", "state_dtype")))
+                                       keep=("weight_lr_power", "state_dtype")),
+                   recommended=RECOMMENDED["schedule_free_adamw"])
 
 
 def _soap_factory(alias):
@@ -395,6 +455,7 @@ def _soap_factory(alias):
 
 
 register_optimizer("soap", _soap_factory(soap_lib.soap), config=extra_config(
-    "SoapConfig", soap_lib.soap, soap_lib.scale_by_soap))
+    "SoapConfig", soap_lib.soap, soap_lib.scale_by_soap), recommended=RECOMMENDED["soap"])
 register_optimizer("soap_bc", _soap_factory(soap_lib.soap_bc), config=extra_config(
-    "SoapBCConfig", soap_lib.soap_bc, soap_lib.scale_by_soap, collector_options))
+    "SoapBCConfig", soap_lib.soap_bc, soap_lib.scale_by_soap, collector_options),
+    recommended=RECOMMENDED["soap_bc"])

@@ -43,12 +43,10 @@ import jax.numpy as jnp
 import optax
 
 from scaleopt.optim.collect import (BCStats, CollectorSpec, StateHooks, Static,
-                                    register_bc_state)
-from scaleopt.optim.shampoo_lib import PRECISIONS, blocking, eigh_damped, from_blocks, to_blocks
-from scaleopt.optim.shampoo_lib.blocking import _major_dims
-from scaleopt.optim.shampoo_lib.placement import _batched_by_size, _on_owner
-from scaleopt.optim.shampoo_lib.state import _is_masked
-from scaleopt.optim.adam_bc import check_choice
+                                    check_numerator, register_bc_state)
+from scaleopt.optim.shampoo_lib import (PRECISIONS, batched_by_size, blocking, eigh_damped,
+                                        from_blocks, major_dims, on_owner, to_blocks)
+from scaleopt.optim.tree_utils import check_choice, is_masked
 
 PyTree = Any
 
@@ -81,14 +79,14 @@ def _plan(tree, exclude, max_dim, block_size, block_major, block_shards) -> dict
   """{str(i): (Blocking, use_L, use_R)} of the flattened leaves that get a factor: rank >= 2
   (a rank-2 tensor whose first dim is a stack size of a rank >= 3 tensor is a stack of
   vectors), not excluded, with a side of at most ``max_dim``."""
-  leaves, td = jax.tree.flatten(tree, is_leaf=_is_masked)
+  leaves, td = jax.tree.flatten(tree, is_leaf=is_masked)
   excl = ([False] * len(leaves) if exclude is None else
           td.flatten_up_to(exclude(tree) if callable(exclude) else exclude))
-  stacks = {x.shape[0] for x in leaves if not _is_masked(x) and x.ndim >= 3}
-  dims = _major_dims(tree, block_major)
+  stacks = {x.shape[0] for x in leaves if not is_masked(x) and x.ndim >= 3}
+  dims = major_dims(tree, block_major)
   out = {}
   for i, x in enumerate(leaves):
-    if _is_masked(x) or excl[i] or x.ndim < 2 or (x.ndim == 2 and x.shape[0] in stacks):
+    if is_masked(x) or excl[i] or x.ndim < 2 or (x.ndim == 2 and x.shape[0] in stacks):
       continue
     use = (x.shape[-2] <= max_dim, x.shape[-1] <= max_dim)
     if any(use):
@@ -128,17 +126,17 @@ def _sorted_power_step(fac: dict, nu: dict, precision) -> tuple[dict, dict]:
       idx = jnp.argsort(-jnp.sum(q * aq, axis=1), axis=-1)  # (n, s), stable
       mats[(k, side)] = jnp.take_along_axis(aq, idx[:, None, :], axis=2)
       nu[k] = jnp.take_along_axis(nu[k], jnp.expand_dims(idx, 3 - ax), axis=ax)
-  qs = _batched_by_size(mats, _qr_q)
+  qs = batched_by_size(mats, qr_basis)
   return _with_bases(fac, qs), nu
 
 
-def _qr_q(x_Bxsxs: jax.Array) -> jax.Array:
+def qr_basis(x_Bxsxs: jax.Array) -> jax.Array:
   """Q of each matrix's QR factorization (``jnp.linalg.qr``), in calls of at most
   ``s // 129`` matrices each (one call for all when s <= 128).
 
   jaxlib's GPU QR takes cuBLAS's batched kernel, which is written for small matrices, for any
-  call of B > 1 matrices with s // B <= 128; a model's bases stacked into one call (gpt2-small:
-  tens of matrices of 768 and 2048) then take tens of seconds. With at most s // 129 per call
+  call of B > 1 matrices with s // B <= 128, and is slow on a model's large bases stacked into
+  one call. With at most s // 129 per call
   every call stays on cuSOLVER's kernel for one matrix at a time (under an outer ``vmap`` a
   call holds that many times more)."""
   s = x_Bxsxs.shape[-1]
@@ -151,7 +149,7 @@ def _first_bases(fac: dict) -> dict:
   """Eigenvectors of every L, R, eigenvalues descending."""
   mats = {(k, s): a for k, f in fac.items() for s, a in (("L", f.L), ("R", f.R))
           if a is not None}
-  qs = _batched_by_size(mats, lambda x: jnp.flip(eigh_damped(x, 0.0, 0.0)[1], -1))
+  qs = batched_by_size(mats, lambda x: jnp.flip(eigh_damped(x, 0.0, 0.0)[1], -1))
   return _with_bases(fac, qs)
 
 
@@ -162,16 +160,16 @@ def _with_bases(fac, qs):
 
 def _init_leaf(x, p):
   """(mu, nu, factors or None) of one leaf with plan entry ``p`` (None: no factor)."""
-  if _is_masked(x):
+  if is_masked(x):
     return x, x, None
   mu = jnp.zeros(x.shape, jnp.float32)
   if p is None:
     return mu, jnp.zeros(x.shape, jnp.float32), None
   blk, use_l, use_r = p
   n = math.prod(x.shape[:-2]) * blk.nb1 * blk.nb2
-  z = lambda s: _on_owner(jnp.zeros((n, s, s), jnp.float32))
+  z = lambda s: on_owner(jnp.zeros((n, s, s), jnp.float32))
   l, r = (z(blk.bs1) if use_l else None), (z(blk.bs2) if use_r else None)
-  nu = _on_owner(jnp.zeros((n, blk.bs1, blk.bs2), jnp.float32))
+  nu = on_owner(jnp.zeros((n, blk.bs1, blk.bs2), jnp.float32))
   return mu, nu, SoapFactors(l, r, l, r)
 
 
@@ -226,10 +224,10 @@ def soap_fold_fn(state: ScaleBySoapState, hp: dict, g_full, m) -> Callable:
   t = jnp.maximum(state.count, 1).astype(jnp.float32)
   b1, b2 = hp["b1"], hp["b2"]
   bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-  mu_l, td = jax.tree.flatten(state.mu, is_leaf=_is_masked)
+  mu_l, td = jax.tree.flatten(state.mu, is_leaf=is_masked)
   nu_l = td.flatten_up_to(state.nu)
   rot = lambda x, i: _fwd(x, state.factors.get(str(i)), plan.get(str(i), (None,))[0], prec)
-  live = [not _is_masked(x) for x in mu_l]
+  live = [not is_masked(x) for x in mu_l]
   mu_r = [rot(x, i) if ok else None for i, (x, ok) in enumerate(zip(mu_l, live))]
   gf_r = [rot(x, i) if ok else None for i, (x, ok) in enumerate(zip(td.flatten_up_to(g_full),
                                                                       live))]
@@ -269,18 +267,19 @@ def _collector_spec(mode, crossfit) -> CollectorSpec:
   return CollectorSpec(layout="loo", stateful=True)
 
 
-def _forms(mode, crossfit, st: Optional[BCStats], td):
+def _forms(mode, crossfit, stats: Optional[BCStats], td):
   """Per leaf, the ``form`` of ``_direction``, and the gradient that feeds the factors."""
   if mode == "std":
     return [("std",)] * td.num_leaves, None
-  if st is None:
+  if stats is None:
     raise ValueError(f"scale_by_soap(mode={mode!r}) needs bc_stats from scaleopt.optim.collect")
   if crossfit == "ab":
-    return [("ab", b) for b in td.flatten_up_to(st.b.mean)], st.full
-  if st.loo is None:
+    return [("ab", b) for b in td.flatten_up_to(stats.b.mean)], stats.full
+  if stats.loo is None:
     raise ValueError("crossfit='loo' needs bc_stats from the 'loo' layout")
-  lo = [td.flatten_up_to(x) for x in (st.loo.mean["first"], st.loo.mean["third"], st.loo.var)]
-  return [("loo", *x) for x in zip(*lo)], None
+  loo = stats.loo
+  loo_terms = [td.flatten_up_to(x) for x in (loo.mean["first"], loo.mean["third"], loo.var)]
+  return [("loo", *x) for x in zip(*loo_terms)], None
 
 
 def _check_options(precision, mode, crossfit, std_warmup_steps, **positive):
@@ -368,7 +367,7 @@ def scale_by_soap(
 
   def init_fn(params):
     plan = plan_of(params)
-    leaves, td = jax.tree.flatten(params, is_leaf=_is_masked)
+    leaves, td = jax.tree.flatten(params, is_leaf=is_masked)
     out = [_init_leaf(x, plan.get(str(i))) for i, x in enumerate(leaves)]
     fac = {str(i): o[2] for i, o in enumerate(out) if o[2] is not None}
     return ScaleBySoapState(jnp.zeros([], jnp.int32), td.unflatten([o[0] for o in out]),
@@ -377,15 +376,17 @@ def scale_by_soap(
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     del params
+    if mode != "std":
+      check_numerator(updates, bc_stats, f"scale_by_soap(mode={mode!r})")
     plan = plan_of(updates)
-    g_l, td = jax.tree.flatten(updates, is_leaf=_is_masked)
+    g_l, td = jax.tree.flatten(updates, is_leaf=is_masked)
     forms, stat_g = _forms(mode, crossfit, bc_stats, td)
     stat_l = g_l if stat_g is None else td.flatten_up_to(stat_g)
     m_l, v_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
     c = state.count
     u_l, m_new, v_new = list(g_l), list(m_l), {}
     for i, g in enumerate(g_l):
-      if _is_masked(g):
+      if is_masked(g):
         continue
       k = str(i)
       f, blk = state.factors.get(k), plan.get(k, (None,))[0]
@@ -399,7 +400,7 @@ def scale_by_soap(
     fac, nu_fac = _refresh(c, fac, {k: v_new[k] for k in fac}, precondition_frequency,
                            matmul_precision)
     v_new.update(nu_fac)
-    v_l = [v_l[i] if _is_masked(g) else v_new[str(i)] for i, g in enumerate(g_l)]
+    v_l = [v_l[i] if is_masked(g) else v_new[str(i)] for i, g in enumerate(g_l)]
     return (td.unflatten(u_l),
             state._replace(count=optax.safe_increment(c), mu=td.unflatten(m_new),
                            nu=td.unflatten(v_l), factors=fac, hp=hp_arrays()))
@@ -411,16 +412,15 @@ def _refresh(c, fac, nu, every, precision):
   """On due calls: the first bases (c = 0) or a sorted power step; factors kept on their
   owners.
 
-  A device branch (``lax.cond``), not one of ``phases``' host-picked programs: on an H200
-  (jax 0.11.2) SOAP's host-picked programs failed at their first run while XLA loaded their
-  cuDNN attention graphs, and the one program with device branches runs (docs/optim_soap.md,
-  "On GPUs")."""
+  A device branch (``lax.cond``), not one of ``phases``' host-picked programs: SOAP compiles
+  one program with device branches, never one program per outcome (docs/optim_soap.md,
+  "On GPUs", says why)."""
   def refresh(fac, nu):
     return jax.lax.cond(c == 0, lambda: (_first_bases(fac), nu),
                         lambda: _sorted_power_step(fac, nu, precision))
 
   fac, nu = jax.lax.cond(c % every == 0, refresh, lambda fac, nu: (fac, nu), fac, nu)
-  own = lambda a: None if a is None else _on_owner(a)
+  own = lambda a: None if a is None else on_owner(a)
   return {k: SoapFactors(*map(own, f)) for k, f in fac.items()}, nu
 
 

@@ -20,7 +20,8 @@ estimate of the mean per-position Gauss-Newton diagonal in every mode, s = 1:
 (n_j: positions of microbatch j; ``count_unit="sequences"`` counts sequences instead), so the
 std and BC denominators have the same expected size and rho means the same thing in both.
 ``"reference"``: h_step = g_bar^2 or (1/m) sum_j g_j^2 and s = ``bs`` (the paper's code: bs =
-examples per step, which made its BC denominator ~128x larger than std's; notes section 9.4).
+examples per step, so its BC denominator is not on the scale of std's and rho differs between
+the two; docs/optim_sophia_shampoo.md).
 
 Bias correction (``mode``):
 
@@ -46,12 +47,12 @@ import jax.numpy as jnp
 import optax
 
 from scaleopt.optim import delta, gnb, phases
-from scaleopt.optim.adam_bc import check_choice, keep_finite, tmap, unzip
-from scaleopt.optim.collect import (BCStats, CollectorSpec, Static, align, clip_factor,
-                                    fold_microbatches, refresh_groups, register_bc_state,
-                                    register_estimator, sum0, value_and_grad_fn, welford_add,
-                                    welford_init, welford_merge, welford_of,
-                                    welford_var_of_mean)
+from scaleopt.optim.collect import (BCStats, CollectorSpec, Static, align, check_numerator,
+                                    clip_factor, fold_microbatches, refresh_groups,
+                                    register_bc_state, register_estimator, sum0,
+                                    value_and_grad_fn, welford_add, welford_init, welford_merge,
+                                    welford_of, welford_var_of_mean)
+from scaleopt.optim.tree_utils import check_choice, keep_finite, tmap, unzip
 
 PyTree = Any
 
@@ -141,10 +142,11 @@ def sophia_collector_spec(mode, crossfit, estimator, k, statistic, count_unit,
                        needs_logits=estimator == "gnb", needs_key=True, estimator_options=opts)
 
 
-def _curvature_pass(loss_fn, logits_fn, params, mbs, key, estimator, statistic, weight,
-                    need_var, vmap=False):
+def curvature_pass(loss_fn, logits_fn, params, mbs, key, estimator, statistic, weight,
+                   need_var, vmap=False, axis=None):
   """Pass over the curvature group: h_step and Var(h_step) (float32); ``vmap``: the
-  per-microbatch estimates by one ``jax.vmap`` (``collect.fold_microbatches``)."""
+  per-microbatch estimates by one ``jax.vmap``, split over ``axis`` where one is given
+  (``collect.fold_microbatches``)."""
   m = jax.tree.leaves(mbs)[0].shape[0]
   keys = jax.random.split(key, m)
   z = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), params)
@@ -170,7 +172,7 @@ def _curvature_pass(loss_fn, logits_fn, params, mbs, key, estimator, statistic, 
       c = dict(c, n=c["n"] + jnp.sum(n), g=jax.tree.map(jnp.add, c["g"], sum0(g)))
     return dict(c, w=welford_merge(c["w"], welford_of(x)))
 
-  c, _ = fold_microbatches(fn, step, carry0, (mbs, keys), vmap=vmap, reduce=reduce)
+  c, _ = fold_microbatches(fn, step, carry0, (mbs, keys), vmap=vmap, reduce=reduce, axis=axis)
   if estimator == "gnb" and statistic == "sq_of_mean":
     scale = c["n"] if weight != "none" else 1.0
     h = jax.tree.map(lambda s: scale * (s / m) ** 2, c["g"])
@@ -181,7 +183,7 @@ def _curvature_pass(loss_fn, logits_fn, params, mbs, key, estimator, statistic, 
 
 def sophia_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: CollectorSpec, found,
                    *, key: jax.Array, logits_fn=None, b_microbatches: PyTree = None,
-                   max_norm=None) -> BCStats:
+                   max_norm=None, microbatch_axis=None) -> BCStats:
   """Numerator gradient plus (on refresh steps) Sophia's curvature estimate, in one jitted step.
 
   Every step: true-label gradients of ``loss_fn`` over the numerator group (``all``: every
@@ -201,7 +203,7 @@ def sophia_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collecto
   refresh = phases.due(states[0].count, spec.refresh_every)
   (num, loss, aux), mbs_c = refresh_groups(value_and_grad_fn(loss_fn), params, microbatches,
                                            spec.layout, refresh, b_microbatches,
-                                           vmap=spec.vmap,
+                                           vmap=spec.vmap, axis=microbatch_axis,
                                            a_every_step=opts.get("a_every_step", False))
   need_var = opts["need_var"]
   m_c = jax.tree.leaves(mbs_c)[0].shape[0]
@@ -210,8 +212,9 @@ def sophia_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collecto
                      f"group, got {m_c}")
 
   def run():
-    return _curvature_pass(loss_fn, logits_fn, params, mbs_c, key, spec.estimator,
-                           opts["statistic"], opts["weight"], need_var, spec.vmap)
+    return curvature_pass(loss_fn, logits_fn, params, mbs_c, key, spec.estimator,
+                          opts["statistic"], opts["weight"], need_var, spec.vmap,
+                          microbatch_axis)
 
   def skip():
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run))
@@ -227,15 +230,15 @@ register_estimator("gnb", sophia_collect)
 register_estimator("hutchinson", sophia_collect)
 
 
-def _refresh(h, hs, var, a, b2, eps, scale):
+def _refresh(h, h_step, h_var, a, b2, eps, scale):
   """New h, (corrected) inverse and the counts of ``RULES[:2]``: h <- b2 h + (1-b2) h_step,
-  inv = 1/p - Var(p)/p^3 (``var`` None: no correction)."""
-  h_new = b2 * h + (1 - b2) * hs
+  inv = 1/p - Var(p)/p^3 with Var(p) from ``h_var`` = Var(h_step) (None: no correction)."""
+  h_new = b2 * h + (1 - b2) * h_step
   p = a * h_new + eps
   low = jnp.sum(p < delta.FLOOR, dtype=jnp.int32)
-  if var is None:
+  if h_var is None:
     return h_new, 1.0 / p, jnp.stack([low, jnp.int32(0)])
-  var_p = ((a * (1 - b2)) ** 2) * var  # first, so zero variance subtracts exactly 0
+  var_p = ((a * (1 - b2)) ** 2) * h_var  # first, so zero variance subtracts exactly 0
   inv = delta.inv_corrected(p, var_p, scale=scale)
   return h_new, inv, jnp.stack([low, jnp.sum(inv <= 0, dtype=jnp.int32)])
 
@@ -325,22 +328,26 @@ def scale_by_sophia(
     if bc_stats is None or not isinstance(bc_stats.precond, SophiaCurvature):
       raise ValueError("scale_by_sophia needs bc_stats from scaleopt.optim.collect (with this "
                        "transform's state)")
-    cur = bc_stats.precond
+    if mode != "std":
+      check_numerator(updates, bc_stats, f"scale_by_sophia(mode={mode!r})")
+    curvature = bc_stats.precond
     count_inc = optax.safe_increment(state.count)
-    hs = align(cur.h_step, updates)
-    var = align(cur.var, updates) if correction != "none" else hs  # hs: unused placeholder
+    h_step = align(curvature.h_step, updates)
     use_var = correction != "none"
+    h_var = align(curvature.var, updates) if use_var else h_step  # h_step: unused placeholder
 
-    def refreshed(h, hs_, var_):
-      out = tmap(lambda h_, s_, v_: _refresh(h_, s_, v_ if use_var else None, a, b2, eps,
-                                             correction_scale), h, hs_, var_)
-      h_r, inv_r, c_r = unzip(out, h, 3)
-      counts = sum(jax.tree.leaves(c_r), jnp.zeros(2, jnp.int32))
-      return (*(tmap(lambda x: x.astype(state_dtype), t) for t in (h_r, inv_r)), counts)
+    def refreshed(h, h_step, h_var):
+      out = tmap(lambda h_, step_, var_: _refresh(h_, step_, var_ if use_var else None, a, b2,
+                                                  eps, correction_scale), h, h_step, h_var)
+      h_new, inv_new, counts = unzip(out, h, 3)
+      counts = sum(jax.tree.leaves(counts), jnp.zeros(2, jnp.int32))
+      return (*(tmap(lambda x: x.astype(state_dtype), t) for t in (h_new, inv_new)), counts)
 
-    h_new, inv_new, refresh_counts = phases.cond(
-        cur.refresh, refreshed, lambda h, s_, v_: (h, state.inv, jnp.zeros(2, jnp.int32)),
-        state.h, hs, var)
+    def kept(h, h_step, h_var):
+      return h, state.inv, jnp.zeros(2, jnp.int32)
+
+    h_new, inv_new, refresh_counts = phases.cond(curvature.refresh, refreshed, kept, state.h,
+                                                 h_step, h_var)
     bc1 = 1.0 - b1 ** count_inc.astype(jnp.float32)
     mu = tmap(lambda m, g: b1 * m + (1 - b1) * g.astype(m_dt), state.mu, updates)
     inv_use = inv_new if hessian_first else state.inv

@@ -139,6 +139,7 @@ def _check_optimizer(opt: Any, steps: int) -> tuple["OptimizerConfig", Optional[
     raise ConfigError(f"config section 'optimizer' needs 'name'; allowed names: "
                       f"{', '.join(optim.names())}")
   choice(opt["name"], "optimizer.name", optim.names())
+  opt = optim.with_recommended(opt)  # the optimizer's learning rate, schedule where unset
   fields = [f.name for f in dataclasses.fields(optim.OptimizerConfig)]
   check_keys(opt, fields, "optimizer")
   hints = typing.get_type_hints(optim.OptimizerConfig)

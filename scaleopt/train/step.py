@@ -138,8 +138,8 @@ def make_train_step(model: bridge.Model, tx: optax.GradientTransformation, spec,
       if not spread:
         stats = pin(stats, state.params)
       params = on_slices(pin(state.params, state.params))
-      updates, opt_state = tx.update(on_slices(stats.numerator), state.opt_state, params,
-                                     bc_stats=stats)
+      stats = stats._replace(numerator=on_slices(stats.numerator))  # the update's input
+      updates, opt_state = tx.update(stats.numerator, state.opt_state, params, bc_stats=stats)
     updates = on_slices(updates)
     params = optax.apply_updates(params, updates)
     g_norm = optax.global_norm(stats.full)  # after the collector's clip

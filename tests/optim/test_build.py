@@ -197,7 +197,7 @@ def test_registry_adds_a_user_optimizer_by_name():
   class LionTest:
     b: float = 0.9
 
-  @register_optimizer("lion_test", config=LionTest)
+  @register_optimizer("lion_test", config=LionTest, recommended=so.Recommended(1e-2))
   def _lion(cfg, lr, *, wd_mask, sparse_filter):
     del sparse_filter
     return optax.lion(lr, b1=cfg.hyperparameters().b, weight_decay=cfg.weight_decay,

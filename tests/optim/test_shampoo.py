@@ -462,7 +462,7 @@ def test_matrix_power_by_squaring_matches_numpy():
   rng = np.random.default_rng(0)
   t = jnp.asarray(rng.normal(size=(3, 5, 5)) / 3, jnp.float32)
   for p in (1, 2, 3, 4, 5, 8):
-    np.testing.assert_allclose(np.asarray(roots._matrix_power(t, p, "highest")),
+    np.testing.assert_allclose(np.asarray(roots.matrix_power(t, p, "highest")),
                                np.linalg.matrix_power(np.asarray(t, np.float64), p),
                                rtol=1e-4, atol=1e-5)
 
@@ -478,7 +478,7 @@ def test_newton_root_stops_early_and_matches_eigh_root():
   fx = jnp.asarray(f, jnp.float32)
   capped = S.newton_inverse_root(fx, 1e-3, 4, 200)
   np.testing.assert_allclose(np.asarray(capped), ref, rtol=0, atol=2e-4 * np.abs(ref).max())
-  iters = jax.jit(lambda x: roots._newton_loop(x, 1e-3, 4, 200, "highest")[0])(fx)
+  iters = jax.jit(lambda x: roots.newton_loop(x, 1e-3, 4, 200, "highest")[0])(fx)
   assert 5 <= int(iters) < 40
 
 

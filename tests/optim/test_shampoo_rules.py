@@ -87,7 +87,7 @@ def test_newton_counts_a_run_cut_at_the_cap_inside_the_quadratic_phase():
   from scaleopt.optim.shampoo_lib import roots
   a = np.random.default_rng(4).normal(size=(6, 6))
   f = jnp.asarray(a @ a.T + 6 * np.eye(6), jnp.float32)[None]
-  n, _, bad = roots._newton_loop(f, 0.0, 4, 100, "highest")
+  n, _, bad = roots.newton_loop(f, 0.0, 4, 100, "highest")
   assert 3 < int(n) < 100 and not bool(bad[0])
   for iters in (1, int(n) - 1):
     assert bool(roots.newton_root_unconverged(f, 0.0, 4, iters, "highest")[1][0]), iters

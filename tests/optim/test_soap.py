@@ -16,7 +16,7 @@ import pytest
 
 from scaleopt import optim
 from scaleopt.optim import phases
-from scaleopt.optim.soap_lib import _qr_q
+from scaleopt.optim.soap_lib import qr_basis
 
 B1, B2, SB, EPS, FREQ, STEPS = 0.9, 0.8, 0.7, 1e-8, 3, 8
 
@@ -235,8 +235,11 @@ def test_soap_bc_loo_bias_per_rotated_coordinate():
   for mode in ("cf", "full"):
     tx = optim.soap_bc(1.0, 0.0, b2, eps, 0.0, mode=mode, precondition_frequency=100)
     st = _bc_state(tx, params, c, ql, qr, jnp.zeros((n, d1, d2)), jnp.full((n, d1, d2), nu))
-    step = jax.jit(lambda p, g, s: tx.update(optim.collect(_linear_loss, p, g, s).numerator, s,
-                                             p, bc_stats=optim.collect(_linear_loss, p, g, s)))
+    def step(p, g, s, tx=tx):
+      stats = optim.collect(_linear_loss, p, g, s)
+      return tx.update(stats.numerator, s, p, bc_stats=stats)
+
+    step = jax.jit(step)
     u = -np.asarray(step(params, jnp.asarray(g, jnp.float32), st)[0]["w"], np.float64)
     out[mode] = np.einsum("ij,njk,kl->nil", ql.T, u, qr).mean(0)  # rotated, mean over draws
   bc2 = 1 - b2 ** c
@@ -281,7 +284,7 @@ def test_soap_power_step_keeps_gpu_qr_off_the_small_matrix_kernel(monkeypatch):
 
 def test_soap_qr_in_groups_equals_one_call_per_coordinate():
   x = jax.random.normal(jax.random.PRNGKey(0), (5, 300, 300))
-  np.testing.assert_array_equal(np.asarray(_qr_q(x)), np.asarray(jnp.linalg.qr(x)[0]))
+  np.testing.assert_array_equal(np.asarray(qr_basis(x)), np.asarray(jnp.linalg.qr(x)[0]))
 
 
 def test_soap_refresh_is_a_device_branch():

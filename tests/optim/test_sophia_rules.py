@@ -15,9 +15,10 @@ def _step(g, h_step, var, refresh, mode):
   tx = scale_by_sophia(B1, B2, EPS, rho=RHO, clip=CLIP, k=1, mode=mode)
   f = lambda x: jnp.asarray(x, jnp.float32)
   pre = SophiaCurvature(h_step=f(h_step), var=f(var), refresh=jnp.asarray(refresh))
-  stats = BCStats(numerator=f(g), full=f(g), a=None, b=None, loo=None, loss=jnp.zeros(()),
+  grad = f(g)
+  stats = BCStats(numerator=grad, full=grad, a=None, b=None, loo=None, loss=jnp.zeros(()),
                   aux={}, precond=pre)
-  _, st = tx.update(f(g), tx.init(f(g)), f(g), bc_stats=stats)
+  _, st = tx.update(grad, tx.init(grad), grad, bc_stats=stats)
   return {k: int(v) for k, v in so.rule_counts(st).items()}
 
 

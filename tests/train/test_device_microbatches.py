@@ -123,7 +123,6 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 import importlib
 C = importlib.import_module("scaleopt.optim.collect")  # the package (optim.collect is the function)
-AXIS = importlib.import_module("scaleopt.optim.collect.microbatch")._AXIS  # the active axis
 from scaleopt.optim import sophia_lib as S
 mesh = Mesh(np.array(jax.devices()).reshape(4), ("data",))
 rng = np.random.default_rng(0)
@@ -139,29 +138,24 @@ def mbs(m):
   return {"x": jnp.asarray(rng.normal(size=(m, 6, 5)), jnp.float32),
           "y": jnp.asarray(rng.normal(size=(m, 6, 3)), jnp.float32)}
 
-def split_and_not(f):
-  def on_axis():
-    token = AXIS.set(C.MicrobatchAxis("data", 4, mesh=mesh))
-    try:
-      return f()
-    finally:
-      AXIS.reset(token)
-  return jax.tree.leaves(jax.jit(f)()), jax.tree.leaves(jax.jit(on_axis)())
+def split_and_not(f):  # f(axis): unsplit (None) and split over the 4 devices
+  on_axis = lambda: f(C.MicrobatchAxis("data", 4, mesh=mesh))
+  return jax.tree.leaves(jax.jit(lambda: f(None))()), jax.tree.leaves(jax.jit(on_axis)())
 
 grad_fn = C.value_and_grad_fn(loss_fn)
 cases = []
 for m in (4, 6, 8):  # 6: not divisible by the 4 devices (unsplit vmap)
   data = mbs(m)
   for var_of in (None, "sq", "grad"):
-    cases.append(split_and_not(lambda: C.scan_group(grad_fn, params, data, var_of=var_of,
-                                                    need_sq=True, vmap=True)))
+    cases.append(split_and_not(lambda ax: C.scan_group(grad_fn, params, data, var_of=var_of,
+                                                       need_sq=True, vmap=True, axis=ax)))
 data = mbs(8)
 logits = lambda p, mb: (jnp.tanh(mb["x"] @ p["w"] + p["b"]), jnp.ones(mb["x"].shape[:-1]))
 for est, stat, weight in (("hutchinson", "mean_sq", "none"), ("gnb", "mean_sq", "none"),
                           ("gnb", "sq_of_mean", "tokens")):
-  cases.append(split_and_not(lambda: S._curvature_pass(loss_fn, logits, params, data,
-                                                       jax.random.key(1), est, stat, weight,
-                                                       True, True)))
+  cases.append(split_and_not(lambda ax: S.curvature_pass(loss_fn, logits, params, data,
+                                                         jax.random.key(1), est, stat, weight,
+                                                         True, True, ax)))
 np.savez(sys.argv[1], *[x for a, b in cases for x in (np.asarray(u) for u in a + b)],
          sizes=np.array([len(a) for a, _ in cases]))
 """

@@ -73,12 +73,13 @@ from scaleopt.optim.collect.stats import (BCStats, GradFn, GroupStats, LOOStats,
                                           welford_of, welford_var_of_mean)
 from scaleopt.optim.collect.spec import (CLIPS, CollectorSpec, Found, LAYOUTS, LOO_PASSES,
                                          LOO_STORAGE, StateHooks, Static, VAR_OF, collector_spec,
-                                         find_bc_states, register_bc_state, register_estimator,
-                                         rule_counts, schedule_count, skipped_tensors)
+                                         estimator, find_bc_states, merge_specs,
+                                         register_bc_state, register_estimator, rule_counts,
+                                         schedule_count, skipped_tensors, state_hooks)
 from scaleopt.optim.collect.microbatch import (MicrobatchAxis, align, fold_microbatches, halves,
-                                               num_microbatches, refresh_groups, scan_group, sum0,
-                                               value_and_grad_fn)
-from scaleopt.optim.collect.clip import (ClipState, clip_by_global_norm, clip_factor, scale_group,
-                                         unclipped_numerator)
+                                               num_microbatches, refresh_groups, scan_group,
+                                               sum0, value_and_grad_fn)
+from scaleopt.optim.collect.clip import (ClipState, check_numerator, clip_by_global_norm,
+                                         clip_factor, scale_group, unclipped_numerator)
 from scaleopt.optim.collect.collector import collect
 from scaleopt.optim.collect.options import CollectorOptionsState, collector_options

@@ -27,6 +27,35 @@ def unclipped_numerator(bc_stats: Optional[BCStats], updates: PyTree) -> PyTree:
                       is_leaf=lambda x: isinstance(x, optax.MaskedNode))
 
 
+def check_numerator(updates: PyTree, bc_stats: Optional[BCStats], transform: str) -> None:
+  """Trace-time guard of a bias-corrected transform: its ``updates`` must be the very arrays
+  ``bc_stats.numerator`` holds (masked leaves aside), as ``tx.update(stats.numerator, ...,
+  bc_stats=stats)`` passes them through ``so.clip_by_global_norm``, ``collector_options``,
+  ``optax.partition`` and ``inject_hyperparams``. An element before the transform that
+  computes new updates, such as ``optax.clip_by_global_norm``, would feed it a numerator that
+  no longer matches the statistics ``collect`` gathered (clipped numerator, unclipped
+  statistics): a ValueError naming ``so.clip_by_global_norm``. Skipped without ``bc_stats``
+  and under a numerator-only clip (whose numerator is scaled on purpose).
+
+  The check compares Python objects, so it also refuses a numerator passed apart from its
+  ``bc_stats`` (a copy, or a separate argument of a jitted ``tx.update``): call ``collect``
+  and ``tx.update`` in one trace.
+  """
+  clip = None if bc_stats is None else bc_stats.numerator_clip
+  if bc_stats is None or not (isinstance(clip, (int, float)) and clip == 1.0):
+    return
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  fed = jax.tree.leaves(updates, is_leaf=masked)
+  collected = jax.tree.leaves(align(bc_stats.numerator, updates), is_leaf=masked)
+  if any(u is not n for u, n in zip(fed, collected) if not masked(u)):
+    raise ValueError(
+        f"{transform} was given updates that are not bc_stats.numerator: an element before it "
+        "in the chain changed them (optax.clip_by_global_norm clips the numerator but not the "
+        "statistics that collect gathered); clip with scaleopt.optim.clip_by_global_norm "
+        "(so.clip_by_global_norm) instead, and call tx.update(stats.numerator, ..., "
+        "bc_stats=stats) in the same trace as collect")
+
+
 def clip_factor(g: PyTree, max_norm) -> jax.Array:
   """min(1, max_norm / ||g||), as ``optax.clip_by_global_norm``."""
   norm = optax.tree.norm(g)

@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 
 from scaleopt.optim.collect.clip import clip_factor, scale_group
-from scaleopt.optim.collect.microbatch import (MicrobatchAxis, _AXIS, _f32, _one_slice,
-                                               _split_axis, _spreads, _vmap, _zeros_like_out,
+from scaleopt.optim.collect.microbatch import (MicrobatchAxis, as_float32,
                                                fold_microbatches, halves, num_microbatches,
-                                               scan_group, sum0, value_and_grad_fn)
-from scaleopt.optim.collect.spec import (CollectorSpec, Found, _ESTIMATORS, _STATE_HOOKS,
-                                         _merge, default_fold_chunk, find_bc_states)
+                                               scan_group, split_axis, spreads,
+                                               stored_as_float32, sum0, value_and_grad_fn,
+                                               vmap_over_axis, zeros_like_output)
+from scaleopt.optim.collect.spec import (CollectorSpec, Found, default_fold_chunk, estimator,
+                                         find_bc_states, merge_specs, state_hooks)
 from scaleopt.optim.collect.stats import BCStats, LOOStats, LossFn, PyTree
 
 
@@ -24,18 +25,19 @@ def _clip_of(found: list[Found], spec: CollectorSpec, kind: str = "consistent"):
   return next(f.hp["max_norm"] for f in found if "max_norm" in f.hp)
 
 
-def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
+def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec, axis) -> BCStats:
   """g_full, then per fold r the BC states' fold terms on c g_r (c: clip). Two passes recompute
-  g_r in a second scan; one pass (``spec.loo_one_pass``) folds the g_r stored by the first."""
+  g_r in a second scan; one pass (``spec.loo_one_pass``) folds the g_r stored by the first.
+  ``axis``: the ``MicrobatchAxis`` of vmapped microbatches (None: unsplit)."""
   m = num_microbatches(mbs)
   if m < 2:
     raise ValueError(f"leave-one-out needs at least 2 microbatches, got m={m}")
   one = spec.loo_one_pass
   full, loss, aux, *g_all = scan_group(grad_fn, params, mbs, vmap=spec.vmap, keep_grads=one,
-                                       keep_dtype=spec.loo_dtype)
+                                       keep_dtype=spec.loo_dtype, axis=axis)
   c = clip_factor(full.mean, max_norm) if max_norm is not None else jnp.float32(1.0)
   g_full = jax.tree.map(lambda x: c * x, full.mean)
-  folds = [_STATE_HOOKS[type(f.state)].fold_fn(f.state, f.hp, g_full, m) for f in found
+  folds = [state_hooks(type(f.state)).fold_fn(f.state, f.hp, g_full, m) for f in found
            if f.state.spec.value.layout == "loo"]
 
   def fold(g_r):
@@ -48,28 +50,29 @@ def _loo(grad_fn, params, mbs, found, max_norm, spec: CollectorSpec) -> BCStats:
   _, shift = fold(g_full)
 
   def sums(g_r):  # the fold terms, e_r and e_r^2 of one stored (or recomputed) g_r
-    terms, d = fold(jax.tree.map(lambda x: c * x, _f32(_one_slice(g_r))))
+    terms, d = fold(jax.tree.map(lambda x: c * x, as_float32(stored_as_float32(g_r))))
     e = jax.tree.map(jnp.subtract, d, shift)
     return terms, e, jax.tree.map(jnp.square, e)
 
   add = lambda t, u: jax.tree.map(jnp.add, t, u)
-  grad_of = (lambda g: g) if one else (lambda mb: _f32(grad_fn(params, mb)[2]))
+  grad_of = (lambda g: g) if one else (lambda mb: as_float32(grad_fn(params, mb)[2]))
   step = lambda carry, g_r: add(carry, sums(g_r))
 
-  carry0 = _zeros_like_out(sums, g_full)
-  if one and _split_axis(m) is None:
+  carry0 = zeros_like_output(sums, g_full)
+  if one and split_axis(m, axis) is None:
     # the stored g_r in order, k folds per step of the scan, unrolled: one chain of
     # elementwise work per step that XLA can fuse with the running sums (docs/optim.md)
     k = spec.loo_fold_chunk or default_fold_chunk()
-    (t, s1, s2), _ = jax.lax.scan(lambda carry, g_r: (step(carry, g_r), None), carry0,
-                                  g_all[0], unroll=min(k, m))
+    (terms, e_sum, e_sq_sum), _ = jax.lax.scan(lambda carry, g_r: (step(carry, g_r), None),
+                                               carry0, g_all[0], unroll=min(k, m))
   else:  # recomputed (two passes), or split over devices: folded where they lie
-    reduce = lambda carry, g_rs: add(carry, sum0(_vmap(sums, m)(g_rs)))
-    (t, s1, s2), _ = fold_microbatches(grad_of, step, carry0, g_all[0] if one else mbs,
-                                       vmap=one and spec.vmap and not _spreads(m),
-                                       reduce=reduce)
+    reduce = lambda carry, g_rs: add(carry, sum0(vmap_over_axis(sums, m, axis)(g_rs)))
+    (terms, e_sum, e_sq_sum), _ = fold_microbatches(
+        grad_of, step, carry0, g_all[0] if one else mbs,
+        vmap=one and spec.vmap and not spreads(m, axis), reduce=reduce, axis=axis)
   var = lambda a, q: jnp.maximum((q - a * a / m) / (m - 1), 0.0)
-  loo = LOOStats(mean=jax.tree.map(lambda s: s / m, t), var=jax.tree.map(var, s1, s2), count=m)
+  loo = LOOStats(mean=jax.tree.map(lambda s: s / m, terms),
+                 var=jax.tree.map(var, e_sum, e_sq_sum), count=m)
   return BCStats(g_full, g_full, None, None, loo, loss, aux, c)
 
 
@@ -78,15 +81,15 @@ def _x_fn(found: list[Found], spec: CollectorSpec):
   post-EMA denominators (masked leaves of other states contribute zeros)."""
   if spec.var_of != "post_ema":
     return None
-  fns = [_STATE_HOOKS[type(f.state)].var_fn(f.state, f.hp) for f in found
+  fns = [state_hooks(type(f.state)).var_fn(f.state, f.hp) for f in found
          if f.state.spec.value.var_of == "post_ema"]
   return lambda g: jax.tree.map(lambda *xs: sum(xs), *[fn(g) for fn in fns])
 
 
-def _layout(grad_fn, params, mbs, spec, found, b_mbs, max_norm) -> BCStats:
+def _layout(grad_fn, params, mbs, spec, found, b_mbs, max_norm, axis) -> BCStats:
   lay = spec.layout
   kw = dict(var_of=spec.var_of, x_fn=_x_fn(found, spec), need_sq=spec.need_sq)
-  vm = dict(vmap=spec.vmap)
+  vm = dict(vmap=spec.vmap, axis=axis)
   if spec.var_of == "post_ema" and spec.clip == "consistent":
     raise ValueError("the reference post-EMA variance reads per-microbatch denominators before "
                      "the step's clip factor is known; use clip_by_global_norm(..., "
@@ -143,7 +146,7 @@ def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, opt_state: Py
     BCStats, float32. Call ``tx.update(stats.numerator, opt_state, params, bc_stats=stats)``.
   """
   found = find_bc_states(opt_state)
-  spec = _merge(found)
+  spec = merge_specs(found)
   needy = [f for f in found if f.under_multisteps and (
       f.state.spec.value.layout not in (None, "all") or f.state.spec.value.var_of
       or f.state.spec.value.estimator)]
@@ -152,12 +155,8 @@ def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, opt_state: Py
                      "the k-step mean gradient and one mini-step's statistics; pass all k*m "
                      "microbatches of the step to collect instead (they are accumulated there)")
   max_norm = _clip_of(found, spec)
-  token = _AXIS.set(microbatch_axis if spec.vmap else None)
-  try:
-    stats = _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
-                     b_microbatches)
-  finally:
-    _AXIS.reset(token)
+  stats = _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
+                   b_microbatches, microbatch_axis if spec.vmap else None)
   num_norm = _clip_of(found, spec, "numerator")
   if num_norm is None:
     return stats
@@ -165,12 +164,13 @@ def collect(loss_fn: LossFn, params: PyTree, microbatches: PyTree, opt_state: Py
 
 
 def _collect(loss_fn, params, microbatches, spec, found, max_norm, key, logits_fn,
-             b_microbatches) -> BCStats:
-  if spec.estimator is not None:
-    return _ESTIMATORS[spec.estimator](loss_fn, params, microbatches, spec, found, key=key,
-                                       logits_fn=logits_fn, b_microbatches=b_microbatches,
-                                       max_norm=max_norm)
+             b_microbatches, axis) -> BCStats:
+  if spec.estimator is not None:  # the axis goes only to estimators of split microbatches
+    split = {"microbatch_axis": axis} if axis is not None else {}
+    return estimator(spec.estimator)(loss_fn, params, microbatches, spec, found, key=key,
+                                     logits_fn=logits_fn, b_microbatches=b_microbatches,
+                                     max_norm=max_norm, **split)
   grad_fn = value_and_grad_fn(loss_fn)
   if spec.layout == "loo":
-    return _loo(grad_fn, params, microbatches, found, max_norm, spec)
-  return _layout(grad_fn, params, microbatches, spec, found, b_microbatches, max_norm)
+    return _loo(grad_fn, params, microbatches, found, max_norm, spec, axis)
+  return _layout(grad_fn, params, microbatches, spec, found, b_microbatches, max_norm, axis)

@@ -4,7 +4,6 @@ where one is set, with each group's statistics; the refresh steps' group statist
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -52,7 +51,7 @@ def halves(microbatches: PyTree, what: str) -> tuple[PyTree, PyTree]:
           jax.tree.map(lambda x: x[m // 2:], microbatches))
 
 
-def _f32(tree: PyTree) -> PyTree:
+def as_float32(tree: PyTree) -> PyTree:
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
 
 
@@ -77,7 +76,7 @@ def _stored(g: PyTree, dtype) -> PyTree:
   return jax.tree.map(lambda x: x.astype(dtype), g)
 
 
-def _one_slice(g: PyTree) -> PyTree:
+def stored_as_float32(g: PyTree) -> PyTree:
   """One stored gradient in float32 as the fold reads it (exact: bfloat16 is float32's upper
   half)."""
   def up(x):
@@ -87,7 +86,7 @@ def _one_slice(g: PyTree) -> PyTree:
   return jax.tree.map(up, g)
 
 
-def _zeros_like_out(fn: Callable, *args) -> PyTree:
+def zeros_like_output(fn: Callable, *args) -> PyTree:
   return jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), jax.eval_shape(fn, *args))
 
 
@@ -122,24 +121,20 @@ class MicrobatchAxis(NamedTuple):
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sh(x)), tree)
 
 
-_AXIS: contextvars.ContextVar[Optional[MicrobatchAxis]] = contextvars.ContextVar(
-    "scaleopt_microbatch_axis", default=None)
+def split_axis(m: int, axis: Optional[MicrobatchAxis]) -> Optional[MicrobatchAxis]:
+  """``axis`` if it splits ``m`` microbatches evenly (and has > 1 device), else None."""
+  return axis if axis is not None and axis.size > 1 and m % axis.size == 0 else None
 
 
-def _split_axis(m: int) -> Optional[MicrobatchAxis]:
-  """The active microbatch axis if it splits ``m`` microbatches evenly (and has > 1 device)."""
-  ax = _AXIS.get()
-  return ax if ax is not None and ax.size > 1 and m % ax.size == 0 else None
-
-
-def _spreads(m: int) -> bool:
-  """Whether the active axis splits ``m`` microbatches and spreads their outputs in slices."""
-  ax = _split_axis(m)
+def spreads(m: int, axis: Optional[MicrobatchAxis]) -> bool:
+  """Whether ``axis`` splits ``m`` microbatches and spreads their outputs in slices."""
+  ax = split_axis(m, axis)
   return ax is not None and ax.spread is not None
 
 
-def _vmap(fn: Callable, m: int) -> Callable:
-  ax = _split_axis(m)
+def vmap_over_axis(fn: Callable, m: int, axis: Optional[MicrobatchAxis]) -> Callable:
+  """``jax.vmap(fn)`` over m microbatches, split over ``axis`` where it divides m."""
+  ax = split_axis(m, axis)
   if ax is None:
     return jax.vmap(fn)
 
@@ -151,13 +146,14 @@ def _vmap(fn: Callable, m: int) -> Callable:
 
 
 def fold_microbatches(fn: Callable, step: Callable, carry0, xs: PyTree, *, vmap: bool = False,
-                      keep: Optional[Callable] = None, reduce: Optional[Callable] = None):
+                      keep: Optional[Callable] = None, reduce: Optional[Callable] = None,
+                      axis: Optional[MicrobatchAxis] = None):
   """carry_m of carry_j = step(carry_{j-1}, fn(x_j)) over the leading axis of ``xs``.
 
   Scan (default): ``fn`` runs inside a ``lax.scan``, one microbatch at a time (memory of one
   microbatch). ``vmap=True``: ``jax.vmap(fn)`` over all of ``xs`` at once (one batched call),
   then the scan runs ``step`` over its stacked outputs in the same order, so both give the same
-  carry up to the rounding of the batched ``fn``. Where a ``MicrobatchAxis`` splits the
+  carry up to the rounding of the batched ``fn``. Where ``axis`` (a ``MicrobatchAxis``) splits the
   microbatches over devices, its ``spread`` reshards the stacked outputs into slices that hold
   every microbatch (the scan then runs locally on each slice; ``kept`` is in that layout);
   without ``spread``, ``reduce(carry0, stacked outputs)`` (the same carry by sums over the
@@ -168,8 +164,8 @@ def fold_microbatches(fn: Callable, step: Callable, carry0, xs: PyTree, *, vmap:
   """
   if vmap:
     m = num_microbatches(xs)
-    ys = _vmap(fn, m)(xs)
-    ax = _split_axis(m)
+    ys = vmap_over_axis(fn, m, axis)(xs)
+    ax = split_axis(m, axis)
     if ax is not None and ax.spread is not None:
       ys = ax.spread(ys)
     elif ax is not None and reduce is not None:
@@ -191,16 +187,17 @@ def sum0(t: PyTree) -> PyTree:
 
 def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional[str] = None,
                x_fn: Optional[Callable] = None, need_sq: bool = False, vmap: bool = False,
-               keep_grads: bool = False, keep_dtype=jnp.float32):
+               keep_grads: bool = False, keep_dtype=jnp.float32,
+               axis: Optional[MicrobatchAxis] = None):
   """One pass over a group: (GroupStats, mean loss, mean aux), float32.
 
   ``x_fn(g_j)`` gives the per-microbatch quantity whose variance ``var_of`` asks for;
-  ``vmap``: see ``fold_microbatches``. ``keep_grads=True`` also returns the stacked
+  ``vmap``, ``axis``: see ``fold_microbatches``. ``keep_grads=True`` also returns the stacked
   microbatch gradients (m x params, in ``keep_dtype``) as a fourth output.
   """
   m = num_microbatches(mbs)
   mb0 = jax.tree.map(lambda x: x[0], mbs)
-  loss_s, aux_s, g_s = _zeros_like_out(grad_fn, params, mb0)
+  loss_s, aux_s, g_s = zeros_like_output(grad_fn, params, mb0)
   if var_of == "sq":
     x_fn = lambda g: jax.tree.map(lambda t: t * t, g)
   elif var_of == "grad":
@@ -210,7 +207,7 @@ def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional
 
   def fn(mb):
     loss, aux, g = grad_fn(params, mb)
-    return loss, _f32(aux), _f32(g)
+    return loss, as_float32(aux), as_float32(g)
 
   def step(c, y):
     loss, aux, g = y
@@ -233,7 +230,7 @@ def scan_group(grad_fn: GradFn, params: PyTree, mbs: PyTree, *, var_of: Optional
       c["w"] = welford_merge(c["w"], welford_of(jax.vmap(x_fn)(g)))
     return c
 
-  c, kept = fold_microbatches(fn, step, carry0, mbs, vmap=vmap, reduce=reduce,
+  c, kept = fold_microbatches(fn, step, carry0, mbs, vmap=vmap, reduce=reduce, axis=axis,
                               keep=(lambda y: _stored(_like(y[2], params), keep_dtype))
                               if keep_grads else None)
   mean = lambda t: jax.tree.map(lambda s: s / m, t)
@@ -251,19 +248,20 @@ def align(tree: PyTree, like: PyTree) -> PyTree:
 
 def refresh_groups(grad_fn: GradFn, params: PyTree, microbatches: PyTree, layout: str,
                    refresh: jax.Array, b_microbatches: PyTree = None, *, vmap: bool = False,
-                   a_every_step: bool = False):
+                   a_every_step: bool = False, axis: Optional[MicrobatchAxis] = None):
   """Numerator group statistics and the preconditioner group for periodic refreshes.
 
   ``ab``: on refresh steps the numerator uses group A only (cross-fit), on the other steps
   all microbatches (``phases.cond``), or group A on every step with ``a_every_step`` (the
   authors' code: the momentum's noise level is then the same on every step); ``rolling_b``:
-  A is ``microbatches``, B ``b_microbatches``; ``all``: both use every microbatch. ``vmap``: see ``fold_microbatches``.
+  A is ``microbatches``, B ``b_microbatches``; ``all``: both use every microbatch. ``vmap``,
+  ``axis``: see ``fold_microbatches``.
 
   Returns:
     ((mean gradient, loss, aux) of the numerator group, group-B microbatches).
   """
   def num_of(mbs):
-    s, loss, aux = scan_group(grad_fn, params, mbs, vmap=vmap)
+    s, loss, aux = scan_group(grad_fn, params, mbs, vmap=vmap, axis=axis)
     return s.mean, loss, aux
 
   if layout == "ab":

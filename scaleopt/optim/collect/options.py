@@ -38,8 +38,8 @@ def collector_options(*, loo_passes: Optional[int] = None,
       statistics equal the two-pass form's) or ``"bfloat16"`` (half the memory; each stored
       g_r is rounded to bfloat16, relative error <= 2^-8, before the float32 folds).
     loo_fold_chunk: one-pass LOO folds this many stored gradients per step of its scan over
-      the folds, unrolled, so that XLA can fuse them with the running sums (1.04x AdamW's
-      step against 1.10x one at a time at 64 microbatches on an H200). The folds run in the
+      the folds, unrolled, so that XLA can fuse them with the running sums (fewer, larger
+      kernels per fold; docs/benchmarks.md has the step times). The folds run in the
       same order; the statistics are the same up to float32 rounding (XLA's fusion of the
       arithmetic). Default 8 (at most m) on GPUs and TPUs, 1 on CPU (where unrolling about
       doubles the step's compile time); 1 folds one stored gradient at a time. It does not

@@ -168,8 +168,21 @@ def register_bc_state(state_type: type, hooks: StateHooks = StateHooks()) -> Non
 
 def register_estimator(name: str, fn: Callable) -> None:
   """Registers an estimator pass ``fn(loss_fn, params, microbatches, spec, found, *, key,
-  logits_fn, b_microbatches) -> BCStats`` used when a spec names ``estimator=name``."""
+  logits_fn, b_microbatches, max_norm[, microbatch_axis]) -> BCStats`` used when a spec names
+  ``estimator=name``. ``microbatch_axis`` (a ``MicrobatchAxis``) is passed only where
+  ``collect`` got one for vmapped microbatches; the estimator hands it to the scans it runs
+  (``scan_group``, ``fold_microbatches``, ``refresh_groups``: their ``axis``)."""
   _ESTIMATORS[name] = fn
+
+
+def state_hooks(state_type: type) -> StateHooks:
+  """The ``StateHooks`` a BC state type was registered with."""
+  return _STATE_HOOKS[state_type]
+
+
+def estimator(name: str) -> Callable:
+  """The estimator pass registered under ``name`` (``register_estimator``)."""
+  return _ESTIMATORS[name]
 
 
 class Found(NamedTuple):
@@ -199,7 +212,9 @@ def find_bc_states(opt_state: PyTree) -> list[Found]:
   return out
 
 
-def _merge(found: list[Found]) -> CollectorSpec:
+def merge_specs(found: list[Found]) -> CollectorSpec:
+  """One ``CollectorSpec`` serving every BC state found (an error where two need different
+  layouts, variances, estimators or microbatching options)."""
   specs = [f.state.spec.value for f in found]
   pick = lambda name, skip: {getattr(s, name) for s in specs} - {skip}
   for name, skip in (("layout", None), ("var_of", None), ("estimator", None), ("clip", "none"),
@@ -249,7 +264,7 @@ def collector_spec(tx_or_state, params: PyTree = None) -> CollectorSpec:
   state = tx_or_state
   if isinstance(tx_or_state, optax.GradientTransformation):
     state = jax.eval_shape(tx_or_state.init, {} if params is None else params)
-  return _merge(find_bc_states(state))
+  return merge_specs(find_bc_states(state))
 
 
 def skipped_tensors(opt_state: PyTree) -> jax.Array:

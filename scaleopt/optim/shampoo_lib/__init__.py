@@ -13,11 +13,10 @@ All blocks of one factor size, across all tensors, are stacked and their roots c
 batched call on root steps (``phases.cond``): by ``jnp.linalg.eigh`` in float32
 (``root_method="eigh"``) or by coupled Newton iterations (``"newton"``: batched matmuls at
 ``newton_precision``, ``"high"`` by default: TF32 on NVIDIA GPUs, whose root error grows with
-the factor's condition number, 2-3% at 1e4, without changing the trained loss; ``"highest"``
-for float32 roots; docs/optim.md). The default
-``"auto"`` takes Newton on accelerators, where it computes a root step faster than cuSOLVER's
-``eigh`` (docs/optim.md, Shampoo root solvers), and ``eigh`` on CPU (LAPACK's is faster there) and for the ``inv``/``full`` modes
-(their correction needs the eigenvalues). Other tensors (1-D, embeddings, too large)
+the factor's condition number; ``"highest"`` for float32 roots; docs/optim.md). The default
+``"auto"`` takes Newton on accelerators (batched matmuls instead of cuSOLVER's ``eigh``;
+docs/optim.md, Shampoo root solvers), and ``eigh`` on CPU (LAPACK) and for the ``inv``/``full``
+modes (their correction needs the eigenvalues). Other tensors (1-D, embeddings, too large)
 take AdamW (b1 or ``adam_b1``, b2 or ``adam_b2``, eps; bias-corrected moments).
 ``graft="adam"`` (the default, as in distributed Shampoo) rescales each block of U to the
 Frobenius norm of the Adam direction m_hat / (sqrt(v_hat) + eps) of that block, so Shampoo takes
@@ -47,15 +46,18 @@ Parts (one job each): ``options`` (option values, validation, ``resolve_root_met
 a matrix and back), ``roots`` (``eigh`` and coupled-Newton inverse roots), ``placement``
 (mesh and host-memory placement, roots batched by size and divided among devices),
 ``statistics`` (Shampoo-BC's estimator), ``factors`` (statistics EMAs and root refreshes) and
-``transform`` (``scale_by_shampoo``, ``shampoo``, ``shampoo_bc``).
+``transform`` (``scale_by_shampoo``, ``shampoo``, ``shampoo_bc``). SOAP reuses the blocking
+(``blocking``, ``to_blocks``, ``from_blocks``, ``major_dims``), the placement (``on_owner``,
+``batched_by_size``) and ``eigh_damped`` through this package's names.
 """
 
 from scaleopt.optim.shampoo_lib.blocking import (MAJORS, Blocking, block_norms, blocking,
-                                                 from_blocks, to_blocks)
+                                                 from_blocks, major_dims, to_blocks)
 from scaleopt.optim.shampoo_lib.options import (AB_NUMERATORS, CROSSFITS, EIGH_IMPLEMENTATIONS,
                                                 GRAFTS, MODES, PRECISIONS, ROOT_METHODS, STACKED,
                                                 resolve_root_method)
-from scaleopt.optim.shampoo_lib.placement import block_axes, block_sharding, in_host_memory
+from scaleopt.optim.shampoo_lib.placement import (batched_by_size, block_axes, block_sharding,
+                                                  in_host_memory, on_owner)
 from scaleopt.optim.shampoo_lib.roots import eigh_damped, newton_inverse_root, root_from_eig
 from scaleopt.optim.shampoo_lib.state import (RULES, ScaleByShampooState, ShampooFactors,
                                               ShampooPrecond)
@@ -64,9 +66,10 @@ from scaleopt.optim.shampoo_lib.transform import scale_by_shampoo, shampoo, sham
 
 __all__ = [
     "AB_NUMERATORS", "CROSSFITS", "EIGH_IMPLEMENTATIONS", "GRAFTS", "MAJORS", "MODES",
-    "PRECISIONS", "ROOT_METHODS", "RULES", "STACKED", "Blocking", "ScaleByShampooState", "ShampooFactors",
-    "ShampooPrecond", "block_axes", "block_norms", "block_sharding", "blocking", "eigh_damped",
-    "from_blocks", "in_host_memory", "newton_inverse_root", "resolve_root_method",
-    "root_from_eig", "scale_by_shampoo", "shampoo", "shampoo_bc", "shampoo_collect",
-    "shampoo_collector_spec", "to_blocks",
+    "PRECISIONS", "ROOT_METHODS", "RULES", "STACKED", "Blocking", "ScaleByShampooState",
+    "ShampooFactors", "ShampooPrecond", "batched_by_size", "block_axes", "block_norms",
+    "block_sharding", "blocking", "eigh_damped", "from_blocks", "in_host_memory", "major_dims",
+    "newton_inverse_root", "on_owner", "resolve_root_method", "root_from_eig",
+    "scale_by_shampoo", "shampoo", "shampoo_bc", "shampoo_collect", "shampoo_collector_spec",
+    "to_blocks",
 ]

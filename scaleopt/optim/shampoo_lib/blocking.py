@@ -8,7 +8,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from scaleopt.optim.shampoo_lib.state import _is_masked
+from scaleopt.optim.tree_utils import is_masked
 
 
 class Blocking(NamedTuple):
@@ -96,22 +96,22 @@ def block_norms(x: jax.Array, blk: Blocking) -> jax.Array:
   return jnp.sqrt(sq.transpose(order)).reshape(-1, 1, 1)
 
 
-def _gram(gb, precision="highest"):
+def block_grams(gb, precision="highest"):
   """Per-block G G^T and G^T G (float32 results; ``precision``: one of ``PRECISIONS``)."""
   return (jnp.einsum("nij,nkj->nik", gb, gb, precision=precision),
           jnp.einsum("nji,njk->nik", gb, gb, precision=precision))
 
 
-def _blocks_of(g, blk, c=1.0):
+def blocks_of(g, blk, c=1.0):
   leaves = jax.tree.leaves(g)
   return {k: to_blocks(c * leaves[int(k)].astype(jnp.float32), b) for k, b in blk.items()}
 
 
-def _major_dims(tree, block_major) -> list:
+def major_dims(tree, block_major) -> list:
   """Per flattened leaf of ``tree`` the dim (-2, -1 or None) whose blocks lead
   (``block_major``: None / ``layers``, or a callable tree -> pytree of dims; only a tensor's
   last two dims order blocks)."""
-  leaves, td = jax.tree.flatten(tree, is_leaf=_is_masked)
+  leaves, td = jax.tree.flatten(tree, is_leaf=is_masked)
   if block_major is None or block_major == "layers":
     return [None] * len(leaves)
   out = []
@@ -122,11 +122,11 @@ def _major_dims(tree, block_major) -> list:
   return out
 
 
-def _blockings(tree, keys, block_size, block_major, block_shards=1) -> dict:
+def blockings_of(tree, keys, block_size, block_major, block_shards=1) -> dict:
   """{key: ``Blocking``} of the factored tensors ``keys`` (flattened-leaf indices of ``tree``),
-  ordered by ``block_major`` (``_major_dims``), the major dim cut into ``block_shards``
+  ordered by ``block_major`` (``major_dims``), the major dim cut into ``block_shards``
   shards first."""
-  leaves = jax.tree.leaves(tree, is_leaf=_is_masked)
-  dims = _major_dims(tree, block_major)
+  leaves = jax.tree.leaves(tree, is_leaf=is_masked)
+  dims = major_dims(tree, block_major)
   return {k: blocking(jnp.shape(leaves[int(k)]), block_size, dims[int(k)], block_shards)
           for k in keys}

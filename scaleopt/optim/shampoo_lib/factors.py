@@ -10,9 +10,9 @@ import optax
 
 from scaleopt.optim import phases
 from scaleopt.optim.collect import BCStats
-from scaleopt.optim.shampoo_lib.blocking import _gram, to_blocks
+from scaleopt.optim.shampoo_lib.blocking import block_grams, to_blocks
 from scaleopt.optim.shampoo_lib.options import resolve_root_method
-from scaleopt.optim.shampoo_lib.placement import (_batched_by_size, _on_owner, _to_device, _to_host,
+from scaleopt.optim.shampoo_lib.placement import (batched_by_size, on_owner, to_device, to_host,
                                                   in_host_memory)
 from scaleopt.optim.shampoo_lib.roots import (eig_counts, eigh_damped, newton_root_unconverged,
                                               root_from_eig)
@@ -43,12 +43,12 @@ def _roots(f, keys, pre, *, root_method, damping, floor, newton_iters, newton_pr
       def fn(x):
         root, bad = newton_root_unconverged(x, damping, 4, newton_iters, newton_precision)
         return root, jnp.pad(bad.astype(jnp.int32)[..., None], ((0, 0), (0, 3)))
-    out = _batched_by_size(mats, fn)
+    out = batched_by_size(mats, fn)
   finite = {sk: jnp.all(jnp.isfinite(r)) for sk, (r, _) in out.items()}
   counts = sum(jnp.sum(c, axis=0, dtype=jnp.int32) for _, c in out.values())
   replaced = sum(jnp.where(ok, 0, out[sk][0].shape[0]) for sk, ok in finite.items())
   rules = dict(zip(RULES, [counts[0], jnp.asarray(replaced, jnp.int32), *counts[1:]]))
-  new = lambda s, k, old: _on_owner(jnp.where(finite[(s, k)], out[(s, k)][0], old))
+  new = lambda s, k, old: on_owner(jnp.where(finite[(s, k)], out[(s, k)][0], old))
   fac = {k: f[k]._replace(PL=new("L", k, f[k].PL), PR=new("R", k, f[k].PR)) for k in keys}
   return fac, rules
 
@@ -65,7 +65,7 @@ def _statistics_io(offload: bool):
   host-resident state) back where ``f``'s were (host memory, unless the caller placed the
   state on the device); without, the new factors as they are."""
   def load(f):
-    return {k: v._replace(L=_to_device(v.L), R=_to_device(v.R)) for k, v in f.items()}
+    return {k: v._replace(L=to_device(v.L), R=to_device(v.R)) for k, v in f.items()}
 
   def store(new, old, f, step_ok):
     if not offload or not new:
@@ -74,8 +74,8 @@ def _statistics_io(offload: bool):
     ok = ok & step_ok
 
     def keep(n, o, where):
-      x = _on_owner(jnp.where(ok, n, o))
-      return _to_host(x) if in_host_memory(where) else x
+      x = on_owner(jnp.where(ok, n, o))
+      return to_host(x) if in_host_memory(where) else x
 
     return {k: v._replace(L=keep(v.L, old[k].L, f[k].L), R=keep(v.R, old[k].R, f[k].R))
             for k, v in new.items()}
@@ -83,7 +83,7 @@ def _statistics_io(offload: bool):
   return load, store
 
 
-def _update_factors(f, g_l, blk, keys, count, pre, step_ok, *, mode, stats_every, root_every,
+def update_factors(f, g_l, blk, keys, count, pre, step_ok, *, mode, stats_every, root_every,
                     b2, stats_precision, offload, root_kw):
   """(factors after this step, counts of ``RULES``): std takes the statistics of the step's
   gradient every ``stats_every`` steps and the roots every ``root_every`` steps (from the new
@@ -104,7 +104,7 @@ def _update_factors(f, g_l, blk, keys, count, pre, step_ok, *, mode, stats_every
   is_root = phases.due(count, root_every)
 
   def statistics(f):
-    gram = {k: _gram(_on_owner(to_blocks(g_l[int(k)], blk[k])), stats_precision) for k in keys}
+    gram = {k: block_grams(on_owner(to_blocks(g_l[int(k)], blk[k])), stats_precision) for k in keys}
     old = load(f)
     new = _ema_factors(old, keys, {k: v[0] for k, v in gram.items()},
                        {k: v[1] for k, v in gram.items()}, b2)
@@ -122,7 +122,7 @@ def _update_factors(f, g_l, blk, keys, count, pre, step_ok, *, mode, stats_every
   return phases.cond(phases.due(count, stats_every), statistics, roots_only, f)
 
 
-def _step_ok(bc_stats: Optional[BCStats]) -> jax.Array:
+def step_is_finite(bc_stats: Optional[BCStats]) -> jax.Array:
   """False when ``bc_stats`` reports a non-finite loss or gradient: a step the trainer skips."""
   if bc_stats is None:
     return jnp.bool_(True)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import jax
 
-from scaleopt.optim.adam_bc import check_choice
+from scaleopt.optim.tree_utils import check_choice
 
 
 MODES = ("std", "cf", "inv", "full")
@@ -35,7 +35,7 @@ def _check_int(name, v, lo=1):
     raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
 
 
-def _validate(*, root_method, graft, stacked, block_size, stats_every, root_every, max_dim,
+def validate_options(*, root_method, graft, stacked, block_size, stats_every, root_every, max_dim,
               newton_iters, mode, damping, matmul_precision, stats_precision,
               eigh_implementation, newton_precision, block_major, block_shards,
               offload_statistics):

@@ -46,7 +46,7 @@ def block_sharding(mesh, shape) -> NamedSharding:
   return NamedSharding(mesh, P(axes or None, *([None] * (len(shape) - 1))))
 
 
-def _on_owner(x):
+def on_owner(x):
   """``x`` ``[n, ...]`` pinned to the block sharding (identity without a multi-device mesh), so
   per-block work runs on the devices that hold the block's factors."""
   mesh = _mesh()
@@ -60,12 +60,12 @@ def in_host_memory(x) -> bool:
   return space is not None and space == jax.memory.Space.Host
 
 
-def _to_device(x):
+def to_device(x):
   """``x`` in device memory: a copy from host memory if it lives there, else ``x`` itself."""
   return jax.device_put(x, jax.memory.Space.Device) if in_host_memory(x) else x
 
 
-def _to_host(x):
+def to_host(x):
   """``x`` moved to (pinned) host memory; inside jit XLA turns this into an asynchronous copy."""
   return jax.device_put(x, jax.memory.Space.Host)
 
@@ -116,14 +116,14 @@ def _local_axes(arrs: list):
   return axes if all(block_axes(mesh, a.shape[0]) == axes for a in arrs) else None
 
 
-def _batched_by_size(mats: dict, fn: Callable) -> dict:
+def batched_by_size(mats: dict, fn: Callable) -> dict:
   """Applies ``fn`` to every (n_i, s, s) array, batching all arrays of one size s together
   (one concatenation, one batched call, one split per size).
 
   On CPU the calls run one matrix at a time (``lax.map``) and one size after another
   (``optimization_barrier``): jaxlib's batched CPU LAPACK kernels split a batch over XLA's
   intra-op thread pool and block on it, and two such kernels in flight at once can take every
-  pool thread and deadlock (seen with jax 0.10.2 on 2 cores). Accelerators keep the batched call.
+  pool thread and deadlock on a machine with few cores. Accelerators keep the batched call.
 
   Under a multi-device mesh every device decomposes only its share of each size's batch:
   ceil(N / ndev) matrices instead of N. When every array of a size has its blocks split over

@@ -35,7 +35,7 @@ def root_from_eig(lam, q, var=None, *, correction_scale: float = 1.0, d_max: flo
   return jnp.matmul(q * d[..., None, :], jnp.swapaxes(q, -1, -2), precision=hp)
 
 
-def _matrix_power(t, p: int, precision):
+def matrix_power(t, p: int, precision):
   """t^p by repeated squaring (2 matmuls for p = 4)."""
   out, sq = None, t
   while p:
@@ -62,7 +62,7 @@ def newton_inverse_root(f: jax.Array, damping: float, p: int = 4, iters: int = 3
   the batch has stopped or after ``iters`` iterations. T^p is taken by squaring (2 + 2 matmuls per
   iteration for p = 4), every matmul at ``precision`` (one of ``PRECISIONS``).
   """
-  return _newton_loop(f, damping, p, iters, precision)[1]
+  return newton_loop(f, damping, p, iters, precision)[1]
 
 
 def newton_root_unconverged(f: jax.Array, damping: float, p: int, iters: int, precision: str):
@@ -70,11 +70,11 @@ def newton_root_unconverged(f: jax.Array, damping: float, p: int, iters: int, pr
   the iteration ended at ``iters`` before stopping, or stopped before the quadratic phase
   (||M - I||_F >= 0.1: round-off made the error grow); X is then the best iterate, not a
   root to working precision."""
-  _, x, unconverged = _newton_loop(f, damping, p, iters, precision)
+  _, x, unconverged = newton_loop(f, damping, p, iters, precision)
   return x, unconverged
 
 
-def _newton_loop(f, damping, p, iters, precision):
+def newton_loop(f, damping, p, iters, precision):
   """(iterations run, X, unconverged per matrix) of ``newton_inverse_root``."""
   n = f.shape[-1]
   eye = jnp.eye(n, dtype=jnp.float32)
@@ -89,7 +89,7 @@ def _newton_loop(f, damping, p, iters, precision):
     i, x, m, e, done = c
     t = ((p + 1.0) * eye - m) / p
     x_new = jnp.matmul(x, t, precision=precision)
-    m_new = jnp.matmul(_matrix_power(t, p, precision), m, precision=precision)
+    m_new = jnp.matmul(matrix_power(t, p, precision), m, precision=precision)
     e_new = err(m_new)
     take = ~done & (e_new < e)  # False for NaN
     stall = (e < 0.1) & (e_new > 0.5 * e)  # quadratic convergence at least halves the error

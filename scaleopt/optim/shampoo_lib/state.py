@@ -69,6 +69,3 @@ class ShampooPrecond(NamedTuple):
   var_R: Optional[dict]
   root: jax.Array
 
-
-def _is_masked(x):
-  return isinstance(x, MaskedNode)

@@ -9,15 +9,15 @@ import jax
 import jax.numpy as jnp
 
 from scaleopt.optim import phases
-from scaleopt.optim.adam_bc import check_choice
 from scaleopt.optim.collect import (BCStats, CollectorSpec, clip_factor, refresh_groups,
                                     register_estimator, value_and_grad_fn, welford_add,
                                     welford_init)
-from scaleopt.optim.shampoo_lib.blocking import _blockings, _blocks_of, _gram
+from scaleopt.optim.shampoo_lib.blocking import blockings_of, blocks_of, block_grams
 from scaleopt.optim.shampoo_lib.options import AB_NUMERATORS, CROSSFITS, MODES
-from scaleopt.optim.shampoo_lib.placement import _batched_by_size, _to_device
+from scaleopt.optim.shampoo_lib.placement import batched_by_size, to_device
 from scaleopt.optim.shampoo_lib.roots import eigh_damped
 from scaleopt.optim.shampoo_lib.state import PyTree, ScaleByShampooState, ShampooPrecond
+from scaleopt.optim.tree_utils import check_choice
 
 
 def shampoo_collector_spec(mode: str, crossfit: str, root_every: int, block_size: int,
@@ -58,7 +58,7 @@ def _eig_variances(grad_fn, params, mbs_b, keys, blk, eig_l, eig_r, b2, c):
   w0 = welford_init(jax.tree.map(lambda lam_q: lam_q[0], (eig_l, eig_r),
                                  is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
                                  and not isinstance(x[0], dict)))
-  body = lambda w, mb: (welford_add(w, proj(_blocks_of(grad_fn(params, mb)[2], blk, c))),
+  body = lambda w, mb: (welford_add(w, proj(blocks_of(grad_fn(params, mb)[2], blk, c))),
                         None)
   w, _ = jax.lax.scan(body, w0, mbs_b)
   den = (1 - b2) ** 2 / (m_b * (m_b - 1))
@@ -76,8 +76,8 @@ def _factor_pass(grad_fn, params, mbs_b, st, keys, blk, hp, num, clip_of, two_pa
   def pass1(carry, mb):
     s, g_sum, l_sum, a_sum = carry
     loss, aux, g = grad_fn(params, mb)
-    gb = _blocks_of(g, blk)
-    s = {k: tuple(x + y for x, y in zip(s[k], _gram(gb[k], stats_precision))) for k in keys}
+    gb = blocks_of(g, blk)
+    s = {k: tuple(x + y for x, y in zip(s[k], block_grams(gb[k], stats_precision))) for k in keys}
     g_sum = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_sum, g)
     return (s, g_sum, l_sum + loss, jax.tree.map(jnp.add, a_sum, aux)), None
 
@@ -94,10 +94,10 @@ def _factor_pass(grad_fn, params, mbs_b, st, keys, blk, hp, num, clip_of, two_pa
   if not two_pass:
     return ShampooPrecond(sl, sr, None, None, None, None, jnp.bool_(True)), extra
   b2, damping = hp["b2"], hp["damping"]
-  mats = {**{("L", k): b2 * _to_device(st.factors[k].L) + (1 - b2) * sl[k] for k in keys},
-          **{("R", k): b2 * _to_device(st.factors[k].R) + (1 - b2) * sr[k] for k in keys}}
+  mats = {**{("L", k): b2 * to_device(st.factors[k].L) + (1 - b2) * sl[k] for k in keys},
+          **{("R", k): b2 * to_device(st.factors[k].R) + (1 - b2) * sr[k] for k in keys}}
   floor = hp["eig_floor_ratio"] * damping
-  eig = _batched_by_size(mats, lambda f: eigh_damped(f, damping, floor, eigh_implementation))
+  eig = batched_by_size(mats, lambda f: eigh_damped(f, damping, floor, eigh_implementation))
   eig_l, eig_r = ({k: eig[(side, k)] for k in keys} for side in ("L", "R"))
   var_l, var_r = _eig_variances(grad_fn, params, mbs_b, keys, blk, eig_l, eig_r, b2, c)
   return ShampooPrecond(sl, sr, eig_l, eig_r, var_l, var_r, jnp.bool_(True)), extra
@@ -105,7 +105,7 @@ def _factor_pass(grad_fn, params, mbs_b, st, keys, blk, hp, num, clip_of, two_pa
 
 def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: CollectorSpec, found,
                     *, key=None, logits_fn=None, b_microbatches: PyTree = None,
-                    max_norm=None) -> BCStats:
+                    max_norm=None, microbatch_axis=None) -> BCStats:
   """Numerator gradient plus, on root steps (count % root_every == 0, ``phases.cond``),
   the B-side factor statistics and (``inv``/``full``) the two-pass eigenvalue variances.
 
@@ -119,14 +119,14 @@ def shampoo_collect(loss_fn, params: PyTree, microbatches: PyTree, spec: Collect
   root = phases.due(st.count, spec.refresh_every)
   grad_fn = value_and_grad_fn(loss_fn)
   (num, loss, aux), mbs_b = refresh_groups(grad_fn, params, microbatches, spec.layout, root,
-                                           b_microbatches, vmap=spec.vmap,
+                                           b_microbatches, vmap=spec.vmap, axis=microbatch_axis,
                                            a_every_step=opts.get("a_every_step", False))
   m_b = jax.tree.leaves(mbs_b)[0].shape[0]
   if opts["two_pass"] and m_b < 2:
     raise ValueError(f"the eigenvalue-variance correction needs >= 2 microbatches in group B, "
                      f"got {m_b}")
   keys = sorted(st.factors)
-  blk = _blockings(params, keys, opts["block_size"], opts["block_major"], opts["block_shards"])
+  blk = blockings_of(params, keys, opts["block_size"], opts["block_major"], opts["block_shards"])
   for k in keys:
     shape, b = jax.tree.leaves(params)[int(k)].shape, blk[k]
     if st.factors[k].L.shape != (math.prod(shape[:-2]) * b.nb1 * b.nb2, b.bs1, b.bs1):

@@ -10,27 +10,28 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scaleopt.optim.collect import BCStats, Static, unclipped_numerator
-from scaleopt.optim.shampoo_lib.blocking import (_blockings, _major_dims, block_norms, blocking,
-                                                 from_blocks, to_blocks)
-from scaleopt.optim.shampoo_lib.factors import _step_ok, _update_factors
-from scaleopt.optim.shampoo_lib.options import _validate
-from scaleopt.optim.shampoo_lib.placement import _on_owner, _to_host, in_host_memory
+from scaleopt.optim.collect import BCStats, Static, check_numerator, unclipped_numerator
+from scaleopt.optim.shampoo_lib.blocking import (block_norms, blocking, blockings_of,
+                                                 from_blocks, major_dims, to_blocks)
+from scaleopt.optim.shampoo_lib.factors import step_is_finite, update_factors
+from scaleopt.optim.shampoo_lib.options import validate_options
+from scaleopt.optim.shampoo_lib.placement import in_host_memory, on_owner, to_host
 from scaleopt.optim.shampoo_lib.state import (PyTree, ScaleByShampooState, ShampooFactors,
-                                              ShampooPrecond, _is_masked, no_rules)
+                                              ShampooPrecond, no_rules)
 from scaleopt.optim.shampoo_lib.statistics import shampoo_collector_spec
+from scaleopt.optim.tree_utils import is_masked
 
 
 def _init(params, exclude, eligible, block_size, graft, mu_dtype, offload, block_major,
           block_shards):
-  leaves, td = jax.tree.flatten(params, is_leaf=_is_masked)
-  dims = _major_dims(params, block_major)
+  leaves, td = jax.tree.flatten(params, is_leaf=is_masked)
+  dims = major_dims(params, block_major)
   ex = exclude(params) if callable(exclude) else exclude
   excl = [False] * len(leaves) if exclude is None else [bool(e) for e in td.flatten_up_to(ex)]
-  stack_sizes = {p.shape[0] for p in leaves if not _is_masked(p) and jnp.ndim(p) >= 3}
+  stack_sizes = {p.shape[0] for p in leaves if not is_masked(p) and jnp.ndim(p) >= 3}
   factors, nu = {}, []
   for i, (p, e) in enumerate(zip(leaves, excl)):
-    if _is_masked(p):
+    if is_masked(p):
       nu.append(p)
       continue
     ok = eligible(p, e, stack_sizes)
@@ -39,7 +40,7 @@ def _init(params, exclude, eligible, block_size, graft, mu_dtype, offload, block
       n = math.prod(p.shape[:-2]) * nb1 * nb2
       eye = lambda s: jnp.broadcast_to(jnp.eye(s, dtype=jnp.float32), (n, s, s))
       stat = lambda s: jnp.zeros((n, s, s), jnp.float32)
-      store = _to_host if offload else (lambda x: x)
+      store = to_host if offload else (lambda x: x)
       factors[str(i)] = ShampooFactors(L=store(stat(bs1)), R=store(stat(bs2)),
                                        PL=eye(bs1), PR=eye(bs2))
     need_nu = (not ok) or graft == "adam"
@@ -57,7 +58,7 @@ def _direction(g, mu, nu, f, blk, graft, adam, update_clip_fro, precision):
     adam_dir = (mu / bc1) / (jnp.sqrt(nu / bc2) + eps)
   if f is None:
     return adam_dir, nu
-  ub = jnp.matmul(jnp.matmul(f.PL, _on_owner(to_blocks(mu, blk)), precision=precision), f.PR,
+  ub = jnp.matmul(jnp.matmul(f.PL, on_owner(to_blocks(mu, blk)), precision=precision), f.PR,
                   precision=precision)
   if graft == "adam":
     n_u = jnp.sqrt(jnp.sum(ub * ub, axis=(1, 2), keepdims=True))
@@ -77,21 +78,21 @@ def _eligible(x, excl, stack_sizes, *, stacked, min_dim, max_dim) -> bool:
   return min(x.shape[-2:]) >= min_dim and max(x.shape[-2:]) <= max_dim
 
 
-def _all_directions(orig_l, g_l, raw_l, mu_l, nu_l, fac, blk, t, hp):
+def _all_directions(orig_l, g_l, unclipped_l, mu_l, nu_l, fac, blk, t, hp):
   """Momentum, Adam second moment and direction of every tensor (flattened lists): matrices
   with factors use b1 and P_L M P_R, fallback tensors adam_b1 and Adam. The momentum takes
-  ``g_l``, the Adam second moment ``raw_l`` (the gradient before a numerator-only clip)."""
+  ``g_l``, the Adam second moment ``unclipped_l`` (the gradient before a numerator-only
+  clip)."""
   out_u, out_mu, out_nu = list(g_l), list(mu_l), list(nu_l)
   for i, g in enumerate(g_l):
-    if _is_masked(g):
+    if is_masked(g):
       continue
     f = fac.get(str(i))
     b1_i = hp["b1"] if f is not None else hp["ab1"]
     out_mu[i] = b1_i * mu_l[i] + (1 - b1_i) * g
     adam = (1.0 - b1_i ** t, hp["ab2"], 1.0 - hp["ab2"] ** t, hp["eps"])
-    u, out_nu[i] = _direction(raw_l[i], out_mu[i], nu_l[i], f, blk.get(str(i)), hp["graft"],
-                              adam,
-                              hp["update_clip_fro"], hp["matmul_precision"])
+    u, out_nu[i] = _direction(unclipped_l[i], out_mu[i], nu_l[i], f, blk.get(str(i)),
+                              hp["graft"], adam, hp["update_clip_fro"], hp["matmul_precision"])
     out_u[i] = u.astype(orig_l[i].dtype)
   return out_u, out_mu, out_nu
 
@@ -141,9 +142,8 @@ def scale_by_shampoo(
     b1: momentum M of preconditioned tensors (and of fallback tensors unless ``adam_b1``).
     b2: factor EMA rate (and Adam's b2 unless ``adam_b2`` is given).
     eps: Adam's epsilon (fallback and grafting).
-    block_size, max_dim, min_dim: blocking and eligibility (see the package docstring); blocks of
-      512 (the default) cost less per step than 1024 (cheaper roots and P_L M P_R;
-      docs/optim.md, Shampoo defaults).
+    block_size, max_dim, min_dim: blocking and eligibility (see the package docstring); a
+      smaller block makes the roots and P_L M P_R cheaper (docs/optim.md, Shampoo defaults).
     stats_every, root_every: statistics and root frequencies (BC modes take statistics on root
       steps only, from group B).
     damping, eig_floor_ratio: lambda and the eigenvalue floor eig_floor_ratio * lambda.
@@ -151,9 +151,8 @@ def scale_by_shampoo(
       iterations; std/cf) or ``auto`` (``resolve_root_method``: Newton on GPU/TPU for std/cf,
       else eigh).
     newton_precision: precision of the coupled Newton matmuls, one of ``PRECISIONS``
-      (default ``"high"``: TF32 on NVIDIA GPUs, 9% cheaper per step than float32 roots at
-      the same trained loss; ``"highest"`` (float32) for roots accurate to 1e-4 at condition
-      numbers of 1e4 and more; docs/optim.md, Newton roots: TF32 or float32).
+      (default ``"high"``: TF32 on NVIDIA GPUs; ``"highest"``: float32, for accurate roots of
+      ill-conditioned factors; docs/optim.md, Newton roots: TF32 or float32).
     graft: ``adam`` (default; per-block Frobenius norm of the Adam direction) or ``none``.
     adam_b1, adam_b2: the fallback AdamW's rates (the reference code's separate betas).
     update_clip_fro: if > 0, scale each preconditioned tensor's U to Frobenius norm <= c.
@@ -203,7 +202,7 @@ def scale_by_shampoo(
       ones. The trainer places such leaves in host memory by reading where ``init`` puts them
       (docs/optim_sophia_shampoo.md, Host offload).
   """
-  _validate(root_method=root_method, graft=graft, stacked=stacked, block_size=block_size,
+  validate_options(root_method=root_method, graft=graft, stacked=stacked, block_size=block_size,
             stats_every=stats_every, root_every=root_every, max_dim=max_dim,
             newton_iters=newton_iters, newton_precision=newton_precision, mode=mode,
             damping=damping, matmul_precision=matmul_precision, stats_precision=stats_precision,
@@ -231,32 +230,33 @@ def scale_by_shampoo(
 
   def update_fn(updates, state, params=None, *, bc_stats: Optional[BCStats] = None, **_):
     del params
-    pre = None
+    precond = None
     if mode != "std":
       if bc_stats is None or not isinstance(bc_stats.precond, ShampooPrecond):
         raise ValueError(f"scale_by_shampoo(mode={mode!r}) needs bc_stats from "
                          "scaleopt.optim.collect")
-      pre = bc_stats.precond
+      check_numerator(updates, bc_stats, f"scale_by_shampoo(mode={mode!r})")
+      precond = bc_stats.precond
     count, count_inc = state.count, optax.safe_increment(state.count)
-    orig_l, td = jax.tree.flatten(updates, is_leaf=_is_masked)
-    g_l = [g if _is_masked(g) else g.astype(jnp.float32) for g in orig_l]
+    orig_l, td = jax.tree.flatten(updates, is_leaf=is_masked)
+    g_l = [g if is_masked(g) else g.astype(jnp.float32) for g in orig_l]
     # the statistics' gradient: before a numerator-only clip
-    raw_l = td.flatten_up_to(unclipped_numerator(bc_stats, td.unflatten(g_l)))
+    unclipped_l = td.flatten_up_to(unclipped_numerator(bc_stats, td.unflatten(g_l)))
     mu_l, nu_l = td.flatten_up_to(state.mu), td.flatten_up_to(state.nu)
     keys = sorted(state.factors)
-    blk = _blockings(updates, keys, block_size, block_major, block_shards)
-    fac, rules = _update_factors(
-        state.factors, raw_l, blk, keys, count, pre, _step_ok(bc_stats), mode=mode,
-        stats_every=stats_every, root_every=root_every, b2=b2, stats_precision=stats_precision,
-        offload=offload_statistics, root_kw=root_kw)
+    blk = blockings_of(updates, keys, block_size, block_major, block_shards)
+    fac, rules = update_factors(
+        state.factors, unclipped_l, blk, keys, count, precond, step_is_finite(bc_stats),
+        mode=mode, stats_every=stats_every, root_every=root_every, b2=b2,
+        stats_precision=stats_precision, offload=offload_statistics, root_kw=root_kw)
     out_u, out_mu, out_nu = _all_directions(
-        orig_l, g_l, raw_l, mu_l, nu_l, fac, blk, count_inc.astype(jnp.float32),
+        orig_l, g_l, unclipped_l, mu_l, nu_l, fac, blk, count_inc.astype(jnp.float32),
         dict(b1=b1, ab1=ab1, ab2=ab2, eps=eps, graft=graft, update_clip_fro=update_clip_fro,
              matmul_precision=matmul_precision))
     un = lambda l: jax.tree.unflatten(td, l)
-    own = lambda x: x if in_host_memory(x) else _on_owner(x)
+    own = lambda x: x if in_host_memory(x) else on_owner(x)
     fac = {k: ShampooFactors(*map(own, f)) for k, f in fac.items()}
-    out_mu = [m if _is_masked(m) else m.astype(mu_dt) for m in out_mu]
+    out_mu = [m if is_masked(m) else m.astype(mu_dt) for m in out_mu]
     return un(out_u), ScaleByShampooState(count_inc, un(out_mu), un(out_nu), fac, state.spec,
                                           hp(), rules)
 
