@@ -62,12 +62,15 @@ def run_until(cmd, run, step, sig, cwd, env=None, timeout=180):
   deadline = time.time() + timeout
   m = run / "metrics.jsonl"
   while time.time() < deadline and p.poll() is None:
-    if m.exists():
-      rows = [json.loads(l) for l in m.read_text().splitlines() if l.strip()]
-      if rows and rows[-1]["step"] >= step:
-        p.send_signal(sig)
-        sent_at = rows[-1]["step"]
-        break
+    try:  # on a bucket the object can be absent for a moment while a run replaces it
+      text = m.read_text() if m.exists() else ""
+    except FileNotFoundError:
+      text = ""
+    rows = [json.loads(l) for l in text.splitlines() if l.strip()]
+    if rows and rows[-1]["step"] >= step:
+      p.send_signal(sig)
+      sent_at = rows[-1]["step"]
+      break
     time.sleep(0.02)
   _, err = p.communicate(timeout=120)
   return p.returncode, sent_at, err.decode()
