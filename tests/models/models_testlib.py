@@ -52,3 +52,16 @@ def jit_apply(cfg: models.ModelConfig):
 def init_params(cfg: models.ModelConfig, seed: int = 0):
   """Eager init (jit-compiling the init's threefry is slower than running it on CPU)."""
   return models.functional(cfg)[0](jax.random.key(seed))
+
+
+def rel_err(a, b) -> float:
+  """Largest per-coordinate difference relative to the reference's largest magnitude."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def vjp_random(fn, *args):
+  """(fn(*args), cotangents of a fixed random cotangent of the output, per input)."""
+  out, pull = jax.vjp(fn, *args)
+  ct = jax.random.normal(jax.random.key(7), out.shape, jnp.float32).astype(out.dtype)
+  return out, pull(ct)

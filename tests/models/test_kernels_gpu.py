@@ -26,6 +26,8 @@ import pytest
 from scaleopt import models
 from scaleopt.models import layers, tokamax_ops
 
+from models_testlib import rel_err, vjp_random
+
 pytestmark = [
     pytest.mark.skipif(jax.default_backend() != "gpu", reason="tokamax's GPU kernels need a GPU"),
     pytest.mark.skipif(not tokamax_ops.installed(), reason="tokamax is not installed"),
@@ -34,20 +36,11 @@ pytestmark = [
 BF16_FWD, BF16_GRAD, F32 = 1e-2, 2e-2, 2e-3
 
 
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def _vjp(fn, *args):
-  out, pull = jax.vjp(fn, *args)
-  ct = jax.random.normal(jax.random.key(7), out.shape, jnp.float32).astype(out.dtype)
-  return out, pull(ct)
 
 
 def _run(fn, *args):
   try:
-    return jax.jit(lambda *a: _vjp(fn, *a))(*args)
+    return jax.jit(lambda *a: vjp_random(fn, *a))(*args)
   except NotImplementedError as e:
     pytest.skip(f"tokamax declines: {str(e).splitlines()[0][:200]}")
 
@@ -56,11 +49,11 @@ def _compare(got, want, ref, fwd_tol, grad_tol):
   """got, want: (out, grads) of the kernel and of today's path on the same bf16 inputs; ref:
   today's path in float32 on those inputs."""
   (o, g), (ow, gw), (orf, grf) = got, want, ref
-  assert _rel(o, ow) < fwd_tol, _rel(o, ow)
-  assert _rel(o, orf) <= 2 * _rel(ow, orf) + 2e-3, (_rel(o, orf), _rel(ow, orf))
+  assert rel_err(o, ow) < fwd_tol, rel_err(o, ow)
+  assert rel_err(o, orf) <= 2 * rel_err(ow, orf) + 2e-3, (rel_err(o, orf), rel_err(ow, orf))
   for a, b, r in zip(g, gw, grf):
-    assert _rel(a, b) < grad_tol, _rel(a, b)
-    assert _rel(a, r) <= 2 * _rel(b, r) + 2e-3, (_rel(a, r), _rel(b, r))
+    assert rel_err(a, b) < grad_tol, rel_err(a, b)
+    assert rel_err(a, r) <= 2 * rel_err(b, r) + 2e-3, (rel_err(a, r), rel_err(b, r))
 
 
 def _f32(args):
@@ -91,9 +84,9 @@ def test_attention_kernel_float32(setting):
   kv = [jax.random.normal(x, (2, 256, 2, 64)) for x in k[1:]]
   got = _run(lambda *a: tokamax_ops.attention(*a, setting), q, *kv)
   want = _run(lambda *a: layers.causal_attention(*a, "xla"), q, *kv)
-  assert _rel(got[0], want[0]) < F32
+  assert rel_err(got[0], want[0]) < F32
   for a, b in zip(got[1], want[1]):
-    assert _rel(a, b) < F32
+    assert rel_err(a, b) < F32
 
 
 def _glu_xla(x, wg, wu):
@@ -133,9 +126,9 @@ def test_norm_kernel_float32(setting):
   x, h = (jax.random.normal(y, (4, 256, 768)) for y in k)
   f = lambda kernel: (lambda x, h: layers.add_rms_norm(x, h, 1e-6, kernel)[1])
   got, want = _run(f(setting), x, h), _run(f(False), x, h)
-  assert _rel(got[0], want[0]) < F32
+  assert rel_err(got[0], want[0]) < F32
   for a, b in zip(got[1], want[1]):
-    assert _rel(a, b) < F32
+    assert rel_err(a, b) < F32
 
 
 SMALL = models.ModelConfig(vocab_size=4096, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -165,7 +158,7 @@ def test_model_with_kernels_matches_today(settings):
   lr, gr = grads(SMALL.replace(dtype="float32", attention_impl="xla", norm_kernel="xla"))
   assert abs(float(lg - lr)) <= 2 * abs(float(lt - lr)) + 2e-3 * float(lr)
   for a, b, r in zip(jax.tree.leaves(gg), jax.tree.leaves(gt), jax.tree.leaves(gr)):
-    assert _rel(a, r) <= 2 * _rel(b, r) + 2e-3, (_rel(a, r), _rel(b, r))
+    assert rel_err(a, r) <= 2 * rel_err(b, r) + 2e-3, (rel_err(a, r), rel_err(b, r))
   assert models.kernel_choices(SMALL.replace(**settings))[
       {"attention_impl": "attention", "glu_kernel": "glu", "norm_kernel": "norm"}[
           next(iter(settings))]] == next(iter(settings.values()))

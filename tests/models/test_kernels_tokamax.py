@@ -18,23 +18,12 @@ import pytest
 from scaleopt import models
 from scaleopt.models import layers, tokamax_ops
 
-from models_testlib import tiny, tokens
+from models_testlib import tiny, tokens, rel_err, vjp_random
 
 pytest.importorskip("tokamax")  # a dev dependency: absent only where the dev extra is not
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _rel(a, b) -> float:
-  """Largest per-coordinate difference relative to the reference's largest magnitude."""
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def _vjp(fn, *args):
-  """(fn(*args), cotangents of a fixed random cotangent of the output, per input)."""
-  out, pull = jax.vjp(fn, *args)
-  ct = jax.random.normal(jax.random.key(7), out.shape, jnp.float32).astype(out.dtype)
-  return out, pull(ct)
 
 
 # float32: both paths do the same arithmetic up to reordering; bfloat16: inputs in bf16, each
@@ -48,12 +37,12 @@ def test_attention_matches_xla(dtype):
   q = jax.random.normal(k[0], (2, 24, 4, 16)).astype(dtype)  # 4 query heads on 2 kv heads
   kk = jax.random.normal(k[1], (2, 24, 2, 16)).astype(dtype)
   v = jax.random.normal(k[2], (2, 24, 2, 16)).astype(dtype)
-  got, dgot = _vjp(lambda *a: tokamax_ops.attention(*a, "tokamax_xla"), q, kk, v)
-  want, dwant = _vjp(lambda *a: layers.causal_attention(*a, "xla"), q, kk, v)
+  got, dgot = vjp_random(lambda *a: tokamax_ops.attention(*a, "tokamax_xla"), q, kk, v)
+  want, dwant = vjp_random(lambda *a: layers.causal_attention(*a, "xla"), q, kk, v)
   assert got.dtype == dtype
-  assert _rel(got, want) < TOL[dtype]
+  assert rel_err(got, want) < TOL[dtype]
   for a, b in zip(dgot, dwant):
-    assert _rel(a, b) < TOL[dtype]
+    assert rel_err(a, b) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -62,12 +51,12 @@ def test_glu_matches_xla(dtype):
   x = jax.random.normal(k[0], (2, 12, 32)).astype(dtype)
   wg = (0.2 * jax.random.normal(k[1], (32, 48))).astype(dtype)
   wu = (0.2 * jax.random.normal(k[2], (32, 48))).astype(dtype)
-  got, dgot = _vjp(lambda *a: tokamax_ops.gated_linear_unit(*a, "tokamax_xla"), x, wg, wu)
-  want, dwant = _vjp(lambda x, g, u: jax.nn.silu(x @ g) * (x @ u), x, wg, wu)
+  got, dgot = vjp_random(lambda *a: tokamax_ops.gated_linear_unit(*a, "tokamax_xla"), x, wg, wu)
+  want, dwant = vjp_random(lambda x, g, u: jax.nn.silu(x @ g) * (x @ u), x, wg, wu)
   assert got.shape == (2, 12, 48) and got.dtype == dtype
-  assert _rel(got, want) < TOL[dtype]
+  assert rel_err(got, want) < TOL[dtype]
   for a, b in zip(dgot, dwant):
-    assert _rel(a, b) < TOL[dtype]
+    assert rel_err(a, b) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -76,12 +65,12 @@ def test_add_norm_matches_xla(dtype):
   x = (3 * jax.random.normal(k[0], (2, 12, 64))).astype(dtype)
   h = jax.random.normal(k[1], (2, 12, 64)).astype(dtype)
   f = lambda kernel: (lambda x, h: layers.add_rms_norm(x, h, 1e-6, kernel)[1])
-  got, dgot = _vjp(f("tokamax_xla"), x, h)
-  want, dwant = _vjp(f(False), x, h)
+  got, dgot = vjp_random(f("tokamax_xla"), x, h)
+  want, dwant = vjp_random(f(False), x, h)
   assert got.dtype == dtype
-  assert _rel(got, want) < TOL[dtype]
+  assert rel_err(got, want) < TOL[dtype]
   for a, b in zip(dgot, dwant):
-    assert _rel(a, b) < TOL[dtype]
+    assert rel_err(a, b) < TOL[dtype]
 
 
 ALL_TOKAMAX = dict(attention_impl="tokamax_xla", glu_kernel="tokamax_xla",
@@ -106,7 +95,7 @@ def test_model_loss_and_gradients_match(variant):
   assert abs(float(l_got - l_want)) < 1e-5
   for path, a in jax.tree_util.tree_leaves_with_path(g_got):
     b = _leaf(g_want, path)
-    assert _rel(a, b) < 1e-4, jax.tree_util.keystr(path)
+    assert rel_err(a, b) < 1e-4, jax.tree_util.keystr(path)
 
 
 def _leaf(tree, path):
