@@ -26,7 +26,8 @@ from scaleopt.optim.schedules import ScheduleConfig, make_schedule
 from scaleopt.optim.muon import muon
 from scaleopt.optim.build import (OptimizerConfig, Recommended, build, config_class,
                                   extra_config, finite_updates, names, recommended,
-                                  register_optimizer, resolved_numerics, with_recommended)
+                                  register_optimizer, resolved_numerics, unregister_optimizer,
+                                  with_recommended)
 
 __all__ = [
     "BCStats", "CollectorSpec", "GroupStats", "LOOStats", "MicrobatchAxis", "Static",
@@ -40,6 +41,6 @@ __all__ = [
     "ScaleBySoapState", "scale_by_soap", "soap", "soap_bc",
     "ScheduleConfig", "make_schedule", "OptimizerConfig", "Recommended", "build",
     "config_class", "extra_config", "finite_updates", "names", "recommended",
-    "register_optimizer", "resolved_numerics", "with_recommended",
+    "register_optimizer", "resolved_numerics", "unregister_optimizer", "with_recommended",
     "muon", "delta", "gnb", "eval_params",
 ]

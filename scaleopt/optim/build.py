@@ -126,6 +126,12 @@ def register_optimizer(name: str, factory: Optional[Factory] = None, *,
   return deco(factory) if factory is not None else deco
 
 
+def unregister_optimizer(name: str) -> None:
+  """Removes a registered name (a name registered for a session or a test); KeyError when it
+  is not registered."""
+  del _REGISTRY[name]
+
+
 def config_class(name: str) -> Optional[type]:
   """The dataclass of a registered optimizer's own hyperparameters (its ``extra`` keys)."""
   return _REGISTRY[name].config

@@ -203,19 +203,23 @@ def test_registry_adds_a_user_optimizer_by_name():
     return optax.lion(lr, b1=cfg.hyperparameters().b, weight_decay=cfg.weight_decay,
                       mask=wd_mask)
 
-  assert "lion_test" in names()
-  tx, spec = build({"name": "lion_test", "learning_rate": 1e-2, "clip_norm": 0.0,
-                    "weight_decay": 0.0, "extra": {"b": 0.8},
-                    "schedule": {"kind": "constant"}})
-  ref = optax.lion(1e-2, b1=0.8, weight_decay=0.0)
-  params = {"w": jnp.arange(6.0).reshape(2, 3)}
-  g = {"w": jnp.linspace(-1, 1, 6).reshape(2, 3)}
-  u, _ = tx.update(g, tx.init(params), params)
-  ur, _ = ref.update(g, ref.init(params), params)
-  np.testing.assert_allclose(np.asarray(u["w"]), np.asarray(ur["w"]), rtol=1e-6)
-  assert spec.layout == "all"
-  with pytest.raises(ValueError, match=r"optimizer.extra.c is not a known key.*'b'"):
-    build({"name": "lion_test", "extra": {"c": 1}})
+  try:
+    assert "lion_test" in names()
+    tx, spec = build({"name": "lion_test", "learning_rate": 1e-2, "clip_norm": 0.0,
+                      "weight_decay": 0.0, "extra": {"b": 0.8},
+                      "schedule": {"kind": "constant"}})
+    ref = optax.lion(1e-2, b1=0.8, weight_decay=0.0)
+    params = {"w": jnp.arange(6.0).reshape(2, 3)}
+    g = {"w": jnp.linspace(-1, 1, 6).reshape(2, 3)}
+    u, _ = tx.update(g, tx.init(params), params)
+    ur, _ = ref.update(g, ref.init(params), params)
+    np.testing.assert_allclose(np.asarray(u["w"]), np.asarray(ur["w"]), rtol=1e-6)
+    assert spec.layout == "all"
+    with pytest.raises(ValueError, match=r"optimizer.extra.c is not a known key.*'b'"):
+      build({"name": "lion_test", "extra": {"c": 1}})
+  finally:
+    so.unregister_optimizer("lion_test")  # later tests see the shipped names only
+  assert "lion_test" not in names()
 
 
 @pytest.mark.parametrize("fn,kw", [(so.scale_by_sophia, {"rhoo": 0.5}),
