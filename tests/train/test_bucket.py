@@ -25,7 +25,7 @@ from scaleopt.train import checkpoint, config as C, loop, metrics, runfolder, st
 from scaleopt.train import data as D  # noqa: E402
 from scaleopt.train.config import ConfigError  # noqa: E402
 from scaleopt.train.main import train_main  # noqa: E402
-from train_helpers import reference_run, run_until, tiny_raw  # noqa: E402
+from train_helpers import assert_same_windows, reference_run, run_until, tiny_raw  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -217,12 +217,7 @@ def test_shards_on_the_bucket_give_the_local_windows(gcs, tmp_path):
   D.prepare(src, local, "bytes", shard_tokens=5000)
   url = f"gs://{new_bucket()}/shards"
   storage._fs().put(str(local) + "/", url.removeprefix("gs://") + "/", recursive=True)
-  got = [loop.setup(C.from_dict(tiny_raw(data={"source": "shards", "path": p})))
-         for p in (str(local), url)]
-  for split in ("train_w", "val_w"):
-    a, b = getattr(got[0], split), getattr(got[1], split)
-    assert a.n == b.n
-    np.testing.assert_array_equal(a.get(np.arange(a.n)), b.get(np.arange(b.n)))
+  assert_same_windows(str(local), url)
 
 
 def test_a_missing_bucket_is_one_line_and_leaves_nothing(reference, gcs, capsys):

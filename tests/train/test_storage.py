@@ -15,10 +15,10 @@ import pytest
 
 from scaleopt.train import config as C
 from scaleopt.train import data as D
-from scaleopt.train import loop, runfolder
+from scaleopt.train import runfolder
 from scaleopt.train.config import ConfigError
 from scaleopt.train.main import train_main
-from train_helpers import tiny_raw
+from train_helpers import assert_same_windows, tiny_raw
 
 fsspec = pytest.importorskip("fsspec")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -88,12 +88,7 @@ def test_the_trainer_takes_a_url_as_data_path(tmp_path):
   local = _shards(tmp_path)
   url = f"memory://bucket/{tmp_path.name}/train"
   _to_memory(local, url)
-  got = [loop.setup(C.from_dict(tiny_raw(data={"source": "shards", "path": p})))
-         for p in (str(local), url)]
-  for split in ("train_w", "val_w"):
-    a, b = getattr(got[0], split), getattr(got[1], split)
-    assert a.n == b.n
-    np.testing.assert_array_equal(a.get(np.arange(a.n)), b.get(np.arange(b.n)))
+  assert_same_windows(str(local), url)
 
 
 @pytest.mark.parametrize("dry", [False, True])

@@ -104,3 +104,15 @@ def heldout(key: str | bytes, fraction: float = 0.05) -> bool:
   key = key.encode() if isinstance(key, str) else key
   return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(),
                         "big") < fraction * 2**64
+
+
+def assert_same_windows(local: str, url: str) -> None:
+  """A run set up on the shards at ``local`` and on their copy at ``url`` reads the same train
+  and val windows."""
+  from scaleopt.train import config as C, loop
+  got = [loop.setup(C.from_dict(tiny_raw(data={"source": "shards", "path": p})))
+         for p in (local, url)]
+  for split in ("train_w", "val_w"):
+    a, b = getattr(got[0], split), getattr(got[1], split)
+    assert a.n == b.n
+    np.testing.assert_array_equal(a.get(np.arange(a.n)), b.get(np.arange(b.n)))
