@@ -22,7 +22,30 @@
 #   --set data.path=runs/corpus_dedup --report-only`.
 # datasketch (data prepare --dedup) is not on the device and nothing can be downloaded there:
 # `pip download datasketch --no-deps -d runs/wheels` here and pass carry=["runs/wheels"].
+# `bash lab/gpu/decisive_call.sh corpus` only starts the corpus build in the background (its own
+# process session, so it outlives the call on a warm machine) and returns at once: put it before
+# another call's command so that the next call made within the machine's warm time finds it built.
 set -uo pipefail
+build_corpus() {  # runs/corpus_dedup, once per machine; waits for one already building
+  while [ -f runs/corpus_dedup.pid ] && [ "$(cat runs/corpus_dedup.pid)" != $$ ] \
+      && kill -0 "$(cat runs/corpus_dedup.pid)" 2>/dev/null; do
+    sleep 5
+  done
+  [ -f runs/corpus_dedup/manifest.json ] && return 0
+  nice python scripts/offline_corpus.py --out runs/corpus_dedup --val-fraction 0.04 --dedup \
+    > "$1" 2>&1 || { tail -20 "$1"; return 1; }
+}
+install_datasketch() {
+  python -c "import datasketch" 2>/dev/null || python -m pip install -q --no-index --find-links runs/wheels \
+    datasketch > "$1" 2>&1 || { echo "datasketch missing: carry runs/wheels (see the header)"; exit 2; }
+}
+if [ "${1:-}" = corpus ]; then
+  mkdir -p runs && install_datasketch runs/pip.log
+  export PYTHONPATH=.
+  setsid bash -c "echo \$\$ > runs/corpus_dedup.pid; $(declare -f build_corpus); build_corpus runs/corpus.log" \
+    < /dev/null > /dev/null 2>&1 &
+  exit 0
+fi
 minutes=${1:-9}
 [[ $minutes =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "MINUTES=$minutes is not a number of minutes" >&2; exit 2; }
 seconds=$(awk "BEGIN{print int($minutes * 60)}")
@@ -31,8 +54,7 @@ export PYTHONPATH=.
 study=bc_paper_gpt2_decisive
 out=${OUT:-/tmp/decisive_out}
 mkdir -p runs "$out"
-python -c "import datasketch" 2>/dev/null || pip install -q --no-index --find-links runs/wheels \
-  datasketch > "$out/pip.log" 2>&1 || { echo "datasketch missing: carry runs/wheels (see the header)"; exit 2; }
+install_datasketch "$out/pip.log"
 if [ ! -f runs/$study/.committed_cells_merged ]; then
   mkdir -p runs/$study
   f=runs/$study/cells.jsonl  # a line cut short by a killed call ends before ours starts
@@ -42,10 +64,8 @@ if [ ! -f runs/$study/.committed_cells_merged ]; then
 fi
 rm -f runs/worker*.log
 { nvidia-smi -L; echo "XLA_FLAGS=${XLA_FLAGS:-}"; } > "$out/gpus.txt" 2>&1
-if [ ! -f runs/corpus_dedup/manifest.json ]; then
-  nice python scripts/offline_corpus.py --out runs/corpus_dedup --val-fraction 0.04 --dedup \
-    > "$out/corpus.log" 2>&1 || { tail -20 "$out/corpus.log"; exit 1; }
-fi
+build_corpus "$out/corpus.log" || exit 1
+[ -f runs/corpus.log ] && cp runs/corpus.log "$out/corpus.log"
 cp runs/corpus_dedup/manifest.json "$out/corpus_manifest.json"
 left=$(( seconds - ($(date +%s) - start) ))
 [ "$left" -ge 120 ] || { echo "only $left s left after the corpus"; exit 0; }
