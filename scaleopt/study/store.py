@@ -8,7 +8,8 @@ Each line is one finished cell::
    "summary": {the run's summary.json},
    "provenance": {commit, dirty, corpus hashes, versions, XLA flags, deterministic, devices}
                 (scaleopt.train.provenance; the summary's, null for cells recorded before it),
-   "curves":  {"loss": [[step, value], ...], "eval_loss": [[step, value], ...]}}
+   "curves":  {"loss": [[step, value], ...], "eval_loss": [[step, value], ...],
+               "bc_correction/<group>": [[step, value], ...]}}   (the last on telemetry steps)
 
 A cell trains in a work folder ``DIR/cells/<arm>/<key>/`` (config, metrics, checkpoints); once
 its ``result.json`` is written the runner folds the folder into the store (``absorb``) and
@@ -37,6 +38,8 @@ from typing import Iterator
 
 STORE = "cells.jsonl"
 CURVE_KEYS = ("loss", "eval_loss")
+# Telemetry curves kept per group (``run.telemetry_every``): the variance correction's size.
+TELEMETRY_PREFIXES = ("bc_correction/",)
 CELL_KEYS = ("id", "arm", "grid", "lr", "seed", "stage")
 
 
@@ -121,9 +124,9 @@ def _curves(metrics: pathlib.Path) -> dict:
     for line in metrics.read_text().splitlines():
       if line.strip():
         r = json.loads(line)
-        for k in CURVE_KEYS:
-          if r.get(k) is not None:
-            out[k].append([r["step"], r[k]])
+        for k, v in r.items():
+          if v is not None and (k in CURVE_KEYS or k.startswith(TELEMETRY_PREFIXES)):
+            out.setdefault(k, []).append([r["step"], v])
   return out
 
 
@@ -182,7 +185,9 @@ def rows(out: pathlib.Path) -> list[dict]:
     for k in ("val_loss", "test_loss", "train_loss"):
       if r.get(k) is None:
         r[k] = math.nan
-    r["curves"] = {k: {s: v for s, v in rec.get("curves", {}).get(k, [])} for k in CURVE_KEYS}
+    curves = rec.get("curves") or {}
+    r["curves"] = {k: {s: v for s, v in curves.get(k, [])}
+                   for k in dict.fromkeys(CURVE_KEYS + tuple(curves))}
     r["config"] = rec.get("config")
     r["provenance"] = rec.get("provenance") or rec.get("summary", {}).get("provenance")
     out_rows.append(r)
