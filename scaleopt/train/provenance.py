@@ -40,11 +40,11 @@ def _git(*args: str) -> Optional[str]:
 
 
 def source_state(environ=os.environ) -> dict:
-  """``{"commit", "dirty"}`` of the git checkout holding the imported scaleopt (dirty: a
-  tracked file differs from the commit). Outside a checkout (an installed wheel, a copy of the
-  tree without ``.git``): ``SCALEOPT_COMMIT`` and ``SCALEOPT_DIRTY`` (``1``/``0``) when the
-  launcher sets them, else None."""
-  if not (_SOURCE / ".git").exists():
+  """``{"commit", "dirty"}``: ``SCALEOPT_COMMIT`` and ``SCALEOPT_DIRTY`` (``1``/``0``) when the
+  launcher sets the commit (a copied tree, whose ``.git``, if any, may be older than its
+  files); else the git checkout holding the imported scaleopt (dirty: a tracked file differs
+  from the commit); else (an installed wheel) None."""
+  if environ.get("SCALEOPT_COMMIT") or not (_SOURCE / ".git").exists():
     dirty = environ.get("SCALEOPT_DIRTY")
     return {"commit": environ.get("SCALEOPT_COMMIT") or None,
             "dirty": None if dirty is None else dirty == "1"}
