@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import pathlib
+import re
 import time
 
 import jax
@@ -175,30 +177,50 @@ def table(rows: list[dict]) -> str:
 KEYS = {"attention": "attention_impl", "glu": "glu_kernel", "norm": "norm_kernel"}
 
 
+def _test_outcomes(junit: str) -> list[tuple[str, str]] | None:
+  """(test name, passed | failure | error | skipped) per test of a pytest JUnit XML file, or,
+  when pytest was stopped before writing it, of the ``-v`` log ``tests.log`` beside it; None
+  when neither can be read."""
+  import xml.etree.ElementTree as ET  # pylint: disable=import-outside-toplevel
+  try:
+    out = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+      kind = next((k for k in ("failure", "error", "skipped") if case.find(k) is not None),
+                  "passed")
+      out.append((case.get("name", ""), kind))
+    return out
+  except (OSError, ET.ParseError):
+    pass
+  words = {"PASSED": "passed", "FAILED": "failure", "ERROR": "error", "SKIPPED": "skipped"}
+  try:
+    text = (pathlib.Path(junit).parent / "tests.log").read_text()
+  except OSError:
+    return None
+  found = re.findall(r"::(test_\w+(?:\[[^\]]*\])?) (PASSED|FAILED|ERROR|SKIPPED)", text)
+  return [(name, words[w]) for name, w in found] or None
+
+
 def failed_settings(junit: str | None) -> set[tuple[str, str]]:
   """(op, setting) pairs with a failed (or, in bfloat16, skipped) GPU equality test, or with
-  no passed bfloat16 test against today's path, in a pytest JUnit XML file
-  (tests/models/test_kernels_gpu.py: test_<op>_kernel_*[..setting..], and the model's tests
-  with ``op=implementation`` in their ids); none without ``junit`` (tests not run), every
-  tokamax setting when that file cannot be read."""
-  import xml.etree.ElementTree as ET  # pylint: disable=import-outside-toplevel
+  no passed bfloat16 test against today's path, in a pytest JUnit XML file (or the ``-v`` log
+  beside it, ``_test_outcomes``; tests/models/test_kernels_gpu.py: test_<op>_kernel_*
+  [..setting..], and the model's tests with ``op=implementation`` in their ids); none without
+  ``junit`` (tests not run), every tokamax setting when neither file can be read."""
   if not junit:
     return set()
   settings = {(op, s) for op in KEYS for s in tokamax_ops.ATTENTION + tokamax_ops.GLU}
-  try:
-    cases = ET.parse(junit).getroot().iter("testcase")
-  except (OSError, ET.ParseError):
+  cases = _test_outcomes(junit)
+  if cases is None:
     return settings
   bad, passed = set(), set()
-  for case in cases:
-    name = case.get("name", "")
+  for name, kind in cases:
     kinds = ("failure", "error") + (() if "float32" in name else ("skipped",))
-    if any(case.find(t) is not None for t in kinds):  # a kernel declining float32 may run bf16
+    if kind in kinds:  # a kernel declining float32 may run bf16
       bad |= {(op, s) for op, s in settings
               if (name.startswith(f"test_{op}_kernel") and s in name)
               or (name.startswith("test_model_with_kernels")
                   and f"{op}={tokamax_ops.implementation(s)}" in name)}
-    else:
+    elif kind == "passed":
       passed |= {(op, s) for op, s in settings
                  if name.startswith(f"test_{op}_kernel_matches_today") and s in name}
   return bad | (settings - passed)  # a setting whose tests did not run counts as failed
@@ -229,15 +251,14 @@ def _jsonl(path) -> list[dict]:
 
 
 def tests_line(junit) -> str:
-  """``N passed, N failed, N skipped`` of a pytest JUnit XML file."""
-  import xml.etree.ElementTree as ET  # pylint: disable=import-outside-toplevel
-  try:
-    cases = list(ET.parse(junit).getroot().iter("testcase"))
-  except (OSError, ET.ParseError):
+  """``N passed, N failed, N skipped`` of a pytest JUnit XML file (or the ``-v`` log beside it,
+  marked ``(from the log: pytest stopped)``)."""
+  cases = _test_outcomes(junit)
+  if cases is None:
     return "not run"
-  bad = sum(c.find("failure") is not None or c.find("error") is not None for c in cases)
-  skipped = sum(c.find("skipped") is not None for c in cases)
-  return f"{len(cases) - bad - skipped} passed, {bad} failed, {skipped} skipped"
+  n = {k: sum(kind == k for _, kind in cases) for k in ("passed", "failure", "error", "skipped")}
+  line = f"{n['passed']} passed, {n['failure'] + n['error']} failed, {n['skipped']} skipped"
+  return line if pathlib.Path(junit).is_file() else line + " (from the log: pytest stopped)"
 
 
 def steps_table(rows: list[dict]) -> str:

@@ -376,9 +376,14 @@ def _collect(p: subprocess.Popen, deadline: float, cs: list[dict]) -> list[dict]
     else:
       print(f"# {c['name']}: {r['tokens_per_s']:,.0f} tokens/s on {r['devices']} x "
             f"{r['device_kind']}, batch {r['batch']}, compile {r['compile_s']:.1f}s, "
-            f"{r['wall_s']:.0f}s in all, loss {r['final_loss']:.3f}", flush=True)
+            f"{r['wall_s']:.0f}s in all, loss {_loss(r['final_loss'])}", flush=True)
     rows.append(r)
   return rows
+
+
+def _loss(v) -> str:
+  """A final train loss, or ``-`` when the run logged none (fewer steps than ``log_every``)."""
+  return "-" if v is None else f"{v:.3f}"
 
 
 def run_all(configs: list[dict], timeout: int, pair_single, budget: float,
@@ -504,7 +509,7 @@ def table(rows: list[dict], cell_tokens: int = 0) -> str:
     out.append(f"| {r['name']} | {mesh} | {r['devices']} | {r['preset']} | {_tokens(r)} | "
                f"{m} | {r.get('sweeps', 1):g} | {_ms(r):.1f} | {r['tokens_per_s']:,.0f} | "
                f"{rel} | {weak} | {step} | {per_tok} | {same_tok} | {mfu} | "
-               f"{r['final_loss']:.3f} |")
+               f"{_loss(r['final_loss'])} |")
   if cell_tokens:
     out += ["", cell_table(rows, cell_tokens, fast)]
   fits = [r for r in rows if r.get("fit_rows")]
