@@ -34,8 +34,8 @@ PREFIX = "tokamax_"
 ATTENTION = ("tokamax_mosaic", "tokamax_triton", "tokamax_xla")
 GLU = ("tokamax_mosaic", "tokamax_triton", "tokamax_xla")
 NORM = ("tokamax_triton", "tokamax_xla")
-# The tokamax version the GPU kernels were measured with (pyproject's gpu extra pins it).
-MEASURED_VERSION = "0.0.12"
+# The tokamax version the GPU kernels were measured with (pyproject's gpu extra pins its commit).
+MEASURED_VERSION = "0.0.13"
 
 
 def installed() -> bool:
@@ -86,7 +86,8 @@ def check(key: str, setting: str, device: jax.Device | None = None) -> str | Non
     return None
   if not installed():
     return (f"model.{key}={setting} needs the tokamax package (pip install "
-            f"'scaleopt[gpu]' or tokamax=={MEASURED_VERSION}); it is not installed")
+            f"'scaleopt[gpu]': tokamax {MEASURED_VERSION} from its sources, Python >= 3.12); "
+            f"it is not installed")
   impl = implementation(setting)
   if impl == "xla":
     return None
