@@ -2,7 +2,8 @@
 # One device call of the bc_paper_gpt2_decisive study (configs/studies/bc_paper_gpt2_decisive.yaml:
 # bc_paper_gpt2's arms adamw, adamw_split, loo_paper, loo; seeds added by the sequential plan
 # only to contrasts wider than +-0.05 nats, up to 6 per arm), from the repo root of the device's
-# copy: `run` with kind nvidia-h200-x4 (or -x2), carrying runs/wheels (below), and
+# copy: `run` on any lent kind (one GPU: about one cell per 9-minute call), carrying runs/wheels
+# (below), and
 #   bash lab/gpu/decisive_call.sh MINUTES      (MINUTES may be fractional, e.g. 9 or 6.3)
 # Resumable: call it again until it prints "0 left". Each call:
 # - takes in docs/studies/bc_paper_gpt2_decisive/cells.jsonl (the cells finished by earlier calls
@@ -10,11 +11,15 @@
 # - builds the offline corpus with near-duplicate groups on one side of the split (--dedup) once
 #   per machine into runs/corpus_dedup (ignored by git; a warm machine keeps it and the cells'
 #   checkpoints between calls made back to back);
+# - once per machine, trains 12 steps of the LOO arm's step with telemetry (run.host_phases=off:
+#   with host-picked programs, telemetry at this step stopped the first step with a cuDNN error
+#   on an H100); if they train, the cells log telemetry every TELEMETRY_EVERY (default 50) steps
+#   with run.host_phases=off (neither changes a cell's identity), else none;
 # - runs one worker per GPU until MINUTES after the start of the call (checkpointing at the stop;
 #   each worker plans anew after every cell, so sequential seeds start as soon as a contrast's
 #   seeds are in);
 # - leaves in $OUT: cells.jsonl (every finished cell), the report rebuilt from it (summary.md
-#   with the seed plan), the worker logs' tails, the corpus log and its manifest.
+#   with the seed plan), the worker logs' tails, the corpus log and its manifest, the probe's log.
 # Commit after each call: append $OUT/cells.jsonl to docs/studies/bc_paper_gpt2_decisive/ with
 #   python -c "import sys; from scaleopt.study import store; print(store.append(
 #     'docs/studies/bc_paper_gpt2_decisive', store.read(sys.argv[1])))" FILES_AT
@@ -39,6 +44,28 @@ install_datasketch() {
   python -c "import datasketch" 2>/dev/null || python -m pip install -q --no-index --find-links runs/wheels \
     datasketch > "$1" 2>&1 || { echo "datasketch missing: carry runs/wheels (see the header)"; exit 2; }
 }
+telemetry_probe() {  # echoes the telemetry period the cells use: TELEMETRY_EVERY (default 50)
+  # once 12 steps of the study's LOO step with telemetry trained on this machine, else 0
+  local every=${TELEMETRY_EVERY:-50}
+  if [ "$every" != 0 ] && [ ! -f runs/telemetry_ok ]; then
+    rm -rf runs/telemetry_probe
+    if timeout 200 python -m scaleopt.cli train --config gpt2-small --out runs/telemetry_probe \
+        --set data.source=shards --set data.path=runs/corpus_dedup --set model.vocab_size=32768 \
+        --set model.wd_policy=all --set data.batch_size=512 --set data.microbatches=64 \
+        --set run.steps=12 --set run.log_every=5 --set run.telemetry_every=5 \
+        --set run.host_phases=off --set run.eval_every=0 --set run.eval_tokens=0 \
+        --set run.checkpoint_every=0 --set run.progress=false --set run.tensorboard=false \
+        --set run.plot=false --set optimizer.name=adamw_bc --set optimizer.extra.mode=full \
+        --set optimizer.extra.crossfit=loo > "$1" 2>&1 \
+        && grep -q bc_correction runs/telemetry_probe/metrics.jsonl; then
+      touch runs/telemetry_ok
+    else
+      echo "telemetry probe failed (telemetry_probe.log): cells train without telemetry" >&2
+      every=0
+    fi
+  fi
+  echo "$every"
+}
 if [ "${1:-}" = corpus ]; then
   mkdir -p runs && install_datasketch runs/pip.log
   export PYTHONPATH=.
@@ -54,7 +81,7 @@ export PYTHONPATH=.
 study=bc_paper_gpt2_decisive
 out=${OUT:-/tmp/decisive_out}
 mkdir -p runs "$out"
-install_datasketch "$out/pip.log"
+install_datasketch runs/pip.log
 if [ ! -f runs/$study/.committed_cells_merged ]; then
   mkdir -p runs/$study
   f=runs/$study/cells.jsonl  # a line cut short by a killed call ends before ours starts
@@ -69,9 +96,12 @@ build_corpus "$out/corpus.log" || exit 1
 cp runs/corpus_dedup/manifest.json "$out/corpus_manifest.json"
 left=$(( seconds - ($(date +%s) - start) ))
 [ "$left" -ge 120 ] || { echo "only $left s left after the corpus"; exit 0; }
+tele=$(telemetry_probe "$out/telemetry_probe.log")
+left=$(( seconds - ($(date +%s) - start) ))
+[ "$left" -ge 120 ] || { echo "only $left s left after the telemetry probe"; exit 0; }
 export SCALEOPT_DEADLINE=$(( start + seconds ))
 scripts/study_workers.sh "$(awk "BEGIN{print $left / 60}")" runs \
-  "studies/$study@data.path=runs/corpus_dedup"
+  "studies/$study@data.path=runs/corpus_dedup@run.telemetry_every=$tele@run.host_phases=off"
 cp runs/$study/cells.jsonl "$out/" 2>/dev/null
 python -m scaleopt.cli study --config $study --out runs/$study --set data.path=runs/corpus_dedup \
   --report-only > "$out/report.log" 2>&1 && cp runs/$study/summary.md "$out/"

@@ -54,12 +54,13 @@ TOP_KEYS = ("name", "description", "base", "train", "arms", "baseline", "compute
 ENGINES = ("vmap", "loop")
 TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "mesh")
 LR_KEY, SEED_KEY = "optimizer.learning_rate", "run.seed"
-# Keys that do not change what a cell computes (output cadence, devices); ignored when a cell
-# folder is checked against the study.
+# Keys that do not change what a cell computes (output cadence, devices, how XLA computes and
+# how the host picks the step's program); ignored when a cell folder is checked against the
+# study.
 COSMETIC = ("run.progress", "run.tensorboard", "run.plot", "run.async_checkpoint",
             "run.peak_flops", "run.keep_checkpoints", "run.checkpoint_every", "run.wandb",
             "run.wandb.", "run.profile", "run.profile.", "run.telemetry_every", "mesh.",
-            "run.deterministic")
+            "run.deterministic", "run.host_phases")
 # Training keys added after cell folders were first recorded: the value an older folder's
 # record (which lacks the key) ran with.
 ADDED_KEYS = {"data.seed": None}
