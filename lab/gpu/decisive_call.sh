@@ -5,6 +5,8 @@
 # copy: `run` on any lent kind (one GPU: about one cell per 9-minute call), carrying runs/wheels
 # (below), and
 #   bash lab/gpu/decisive_call.sh MINUTES      (MINUTES may be fractional, e.g. 9 or 6.3)
+# STUDY=bc_paper_gpt2_twin (with TELEMETRY_EVERY=0) runs the same-seed twin check instead
+# (configs/studies/bc_paper_gpt2_twin.yaml: run.deterministic, about 2.4x a decisive cell).
 # Resumable: call it again until it prints "0 left". Each call:
 # - takes in docs/studies/bc_paper_gpt2_decisive/cells.jsonl (the cells finished by earlier calls
 #   and committed) once per machine, so no finished cell trains again;
@@ -78,7 +80,7 @@ minutes=${1:-9}
 seconds=$(awk "BEGIN{print int($minutes * 60)}")
 start=$(date +%s)
 export PYTHONPATH=.
-study=bc_paper_gpt2_decisive
+study=${STUDY:-bc_paper_gpt2_decisive}
 out=${OUT:-/tmp/decisive_out}
 mkdir -p runs "$out"
 install_datasketch runs/pip.log

@@ -25,6 +25,9 @@ A study file (``configs/studies/<name>.yaml``)::
   sequential:                     # optional: more seeds only where a contrast is still open
     max_seeds: 6                  # seeds per arm at most (``seeds``, then the next integers)
     contrasts: [adamw_bc - adamw] # the contrasts that ask for seeds (default: all)
+  twins:                          # optional: [arm_a, arm_b], arms with the same overrides,
+    - [adamw_det, adamw_det_twin] # learning rates and seeds: the report checks that each
+                                  # seed's two runs are bitwise equal (``study.twins``)
 
 A cell is one point (arm, grid values, learning rate, seed); its training config is
 ``base <- train <- arm overrides <- grid values <- optimizer.learning_rate, run.seed``, an
@@ -50,7 +53,7 @@ from scaleopt.train import config as train_config
 
 TOP_KEYS = ("name", "description", "base", "train", "arms", "baseline", "compute_baselines",
             "learning_rates", "seeds", "best_lr_seeds", "grid", "engine", "contrasts",
-            "target_half_width", "sequential")
+            "target_half_width", "sequential", "twins")
 ENGINES = ("vmap", "loop")
 TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "mesh")
 LR_KEY, SEED_KEY = "optimizer.learning_rate", "run.seed"
@@ -121,6 +124,7 @@ class Study:
   contrasts: list = dataclasses.field(default_factory=list)  # [(arm_a, arm_b, label)]
   target_half_width: float = 0.05
   sequential: Optional[Sequential] = None
+  twins: list = dataclasses.field(default_factory=list)  # [(arm_a, arm_b)]
 
   def grid_points(self) -> list[tuple]:
     keys = list(self.grid)
@@ -253,6 +257,31 @@ def _contrasts(raw: Any, arms: dict) -> list[tuple]:
   return out
 
 
+def _twins(raw: Any, arms: dict) -> list[tuple]:
+  """``twins``: a list of [arm_a, arm_b], two different arms with the same overrides, learning
+  rates and seeds (the same cells under two names)."""
+  if raw is None:
+    return []
+  if not isinstance(raw, list):
+    raise ConfigError("study key 'twins' must be a list of [arm_a, arm_b]")
+  out = []
+  for i, t in enumerate(raw):
+    if not isinstance(t, (list, tuple)) or len(t) != 2 or not all(isinstance(x, str) for x in t):
+      raise ConfigError(f"study key 'twins[{i}]'={t!r} must be [arm_a, arm_b]")
+    missing = [a for a in t if a not in arms]
+    if missing or t[0] == t[1]:
+      raise ConfigError(f"study key 'twins[{i}]'={list(t)!r} must name two different arms of "
+                        f"{list(arms)}")
+    a, b = (arms[x] for x in t)
+    for key in ("set", "learning_rates", "seeds"):
+      if a[key] != b[key]:
+        raise ConfigError(f"study key 'twins[{i}]': arms {t[0]!r} and {t[1]!r} differ in "
+                          f"{'their overrides' if key == 'set' else repr(key)} "
+                          f"({a[key]!r} vs {b[key]!r}); twins train the same cells")
+    out.append(tuple(t))
+  return out
+
+
 def _sequential(raw: Any, contrasts: list, seeds: list) -> Optional[Sequential]:
   """``sequential``: needs ``contrasts``; names contrasts as ``"a - b"``; ``max_seeds`` at
   least the number of ``seeds``."""
@@ -325,7 +354,8 @@ def from_dict(raw: dict, path: Optional[pathlib.Path] = None) -> Study:
   target = convert(raw.get("target_half_width", 0.05), float, "target_half_width", {"gt": 0})
   st = Study(name, path, base, arms, baseline, list(cb), seeds, best, dict(grid), eng.kind,
              eng.cells_at_once, eng.keep_checkpoints, raw, contrasts, target,
-             _sequential(raw.get("sequential"), contrasts, seeds))
+             _sequential(raw.get("sequential"), contrasts, seeds),
+             _twins(raw.get("twins"), arms))
   cells = st.search_cells() + [c for a in arms for g in st.grid_points()
                                for c in st.best_lr_cells(a, g, st.lrs(a)[0])]
   if st.sequential:

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import numpy as np
 from scipy import stats as sps
 
-from scaleopt.study import corrections, seedplan, store
+from scaleopt.study import corrections, seedplan, store, twins
 from scaleopt.train import provenance
 
 COLUMNS = ("cell", "arm", "lr", "seed", "stage", "status", "steps", "tokens", "gradient_passes",
@@ -349,6 +349,7 @@ def summary_md(st, rows: list[dict], conds: list[Condition], planned: set[str]) 
   lines += _own_baselines(st, conds, has_grid)
   lines += contrast_lines(st, conds, has_grid)
   lines += corrections.lines(st, conds)
+  lines += twins.lines(st, rows)
   if any(at_edge(st, c) for c in conds):
     lines += ["", "(grid edge): the best lr is the smallest or largest tried, so the grid may not "
               "bracket that arm's optimum; its numbers are an upper bound on its loss."]
