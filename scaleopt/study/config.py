@@ -190,12 +190,17 @@ def flatten(d: dict, prefix: str = "") -> dict:
   return out
 
 
-def fingerprint(cfg_dict: dict, drop: tuple = ()) -> dict:
-  """The flattened config without cosmetic keys (and without ``drop``)."""
-  flat = flatten(json.loads(json.dumps(cfg_dict)))
+def without_cosmetic(flat: dict, drop: tuple = ()) -> dict:
+  """A flattened config without the ``COSMETIC`` keys (and without ``drop``); also a record
+  written when a key that is cosmetic now was not yet."""
   skip = COSMETIC + tuple(drop)
   return {k: v for k, v in flat.items()
           if not any(k == c or (c.endswith(".") and k.startswith(c)) for c in skip)}
+
+
+def fingerprint(cfg_dict: dict, drop: tuple = ()) -> dict:
+  """The flattened config without cosmetic keys (and without ``drop``)."""
+  return without_cosmetic(flatten(json.loads(json.dumps(cfg_dict))), drop)
 
 
 def group_key(cfg: train_config.TrainConfig) -> str:

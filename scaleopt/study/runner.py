@@ -74,7 +74,7 @@ def check_cell_folder(st: Study, cell: Cell, d: pathlib.Path) -> None:
   meta = d / "cell.json"
   if not meta.is_file():
     return
-  old = json.loads(meta.read_text())["config"]
+  old = study_config.without_cosmetic(json.loads(meta.read_text())["config"])
   old = {**{k: v for k, v in study_config.ADDED_KEYS.items() if k not in old}, **old}
   new = study_config.fingerprint(st.cell_config(cell).to_dict())
   for k in sorted(set(old) | set(new)):

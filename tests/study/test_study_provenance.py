@@ -75,6 +75,22 @@ def test_a_cell_folder_recorded_before_data_seed_existed_still_matches(tmp_path)
     runner.check_cell_folder(st, cell, d)
 
 
+def test_a_cell_folder_recorded_before_host_phases_was_cosmetic_still_matches(tmp_path):
+  st = SC.from_dict(_raw(), BC_TINY)
+  cell = st.search_cells()[0]
+  d = tmp_path / "cell"
+  runner.write_cell_meta(st, cell, d)
+  meta = json.loads((d / "cell.json").read_text())
+  assert "run.host_phases" not in meta["config"]
+  meta["config"]["run.host_phases"] = "auto"  # an older record kept the key
+  (d / "cell.json").write_text(json.dumps(meta))
+  runner.check_cell_folder(st, cell, d)
+  meta["config"]["optimizer.weight_decay"] = 0.5  # a key that is not cosmetic still counts
+  (d / "cell.json").write_text(json.dumps(meta))
+  with pytest.raises(ConfigError, match="optimizer.weight_decay=0.5"):
+    runner.check_cell_folder(st, cell, d)
+
+
 def test_data_seed_is_a_study_axis_beside_the_run_seed():
   from scaleopt.train.config import data_seed
   raw = {**_raw(), "seeds": [0, 1], "grid": {"data.seed": [5, 6]}}
