@@ -177,10 +177,11 @@ def table(rows: list[dict]) -> str:
 KEYS = {"attention": "attention_impl", "glu": "glu_kernel", "norm": "norm_kernel"}
 
 
-def _test_outcomes(junit: str) -> list[tuple[str, str]] | None:
-  """(test name, passed | failure | error | skipped) per test of a pytest JUnit XML file, or,
-  when pytest was stopped before writing it, of the ``-v`` log ``tests.log`` beside it; None
-  when neither can be read."""
+def _test_outcomes(junit: str) -> tuple[list[tuple[str, str]] | None, bool]:
+  """``(outcomes, from_log)``: (test name, passed | failure | error | skipped) per test of a
+  pytest JUnit XML file, or, when pytest was stopped before writing it whole, of the ``-v`` log
+  ``tests.log`` beside it (a test's last line counts: a pass then an error in its teardown is
+  an error); outcomes None when neither can be read."""
   import xml.etree.ElementTree as ET  # pylint: disable=import-outside-toplevel
   try:
     out = []
@@ -188,16 +189,17 @@ def _test_outcomes(junit: str) -> list[tuple[str, str]] | None:
       kind = next((k for k in ("failure", "error", "skipped") if case.find(k) is not None),
                   "passed")
       out.append((case.get("name", ""), kind))
-    return out
+    return out, False
   except (OSError, ET.ParseError):
     pass
   words = {"PASSED": "passed", "FAILED": "failure", "ERROR": "error", "SKIPPED": "skipped"}
   try:
     text = (pathlib.Path(junit).parent / "tests.log").read_text()
   except OSError:
-    return None
+    return None, True
   found = re.findall(r"::(test_\w+(?:\[[^\]]*\])?) (PASSED|FAILED|ERROR|SKIPPED)", text)
-  return [(name, words[w]) for name, w in found] or None
+  last = {name: words[w] for name, w in found}
+  return list(last.items()) or None, True
 
 
 def failed_settings(junit: str | None) -> set[tuple[str, str]]:
@@ -209,7 +211,7 @@ def failed_settings(junit: str | None) -> set[tuple[str, str]]:
   if not junit:
     return set()
   settings = {(op, s) for op in KEYS for s in tokamax_ops.ATTENTION + tokamax_ops.GLU}
-  cases = _test_outcomes(junit)
+  cases, _ = _test_outcomes(junit)
   if cases is None:
     return settings
   bad, passed = set(), set()
@@ -253,12 +255,12 @@ def _jsonl(path) -> list[dict]:
 def tests_line(junit) -> str:
   """``N passed, N failed, N skipped`` of a pytest JUnit XML file (or the ``-v`` log beside it,
   marked ``(from the log: pytest stopped)``)."""
-  cases = _test_outcomes(junit)
+  cases, from_log = _test_outcomes(junit)
   if cases is None:
     return "not run"
   n = {k: sum(kind == k for _, kind in cases) for k in ("passed", "failure", "error", "skipped")}
   line = f"{n['passed']} passed, {n['failure'] + n['error']} failed, {n['skipped']} skipped"
-  return line if pathlib.Path(junit).is_file() else line + " (from the log: pytest stopped)"
+  return line + (" (from the log: pytest stopped)" if from_log else "")
 
 
 def steps_table(rows: list[dict]) -> str:

@@ -6,7 +6,9 @@
 # (below), and
 #   bash lab/gpu/decisive_call.sh MINUTES      (MINUTES may be fractional, e.g. 9 or 6.3)
 # STUDY=bc_paper_gpt2_twin (with TELEMETRY_EVERY=0) runs the same-seed twin check instead
-# (configs/studies/bc_paper_gpt2_twin.yaml: run.deterministic, about 2.4x a decisive cell).
+# (configs/studies/bc_paper_gpt2_twin.yaml: run.deterministic, at the switch's cost,
+# docs/benchmarks.md); its two cells must train on one kind of card (name nvidia-h100-x1 or
+# nvidia-h200 in every call) to be comparable bit for bit.
 # Resumable: call it again until it prints "0 left". Each call:
 # - takes in docs/studies/bc_paper_gpt2_decisive/cells.jsonl (the cells finished by earlier calls
 #   and committed) once per machine, so no finished cell trains again;
@@ -33,46 +35,54 @@
 # process session, so it outlives the call on a warm machine) and returns at once: put it before
 # another call's command so that the next call made within the machine's warm time finds it built.
 set -uo pipefail
-build_corpus() {  # runs/corpus_dedup, once per machine; waits for one already building
-  while [ -f runs/corpus_dedup.pid ] && [ "$(cat runs/corpus_dedup.pid)" != $$ ] \
-      && kill -0 "$(cat runs/corpus_dedup.pid)" 2>/dev/null; do
-    sleep 5
-  done
-  [ -f runs/corpus_dedup/manifest.json ] && return 0
-  nice python scripts/offline_corpus.py --out runs/corpus_dedup --val-fraction 0.04 --dedup \
-    > "$1" 2>&1 || { tail -20 "$1"; return 1; }
+build_corpus() {  # runs/corpus_dedup once per machine, its log runs/corpus.log; one build at
+  # a time (a flock), so a call waits for the background build of an earlier one, at most 15 min
+  ( flock -w 900 9 || { echo "the corpus build of another call is still running" >&2; exit 1; }
+    [ -f runs/corpus_dedup/manifest.json ] && exit 0
+    rm -rf runs/corpus_dedup
+    nice python scripts/offline_corpus.py --out runs/corpus_dedup --val-fraction 0.04 --dedup \
+      > runs/corpus.log 2>&1 || { tail -20 runs/corpus.log >&2; exit 1; }
+  ) 9> runs/corpus_dedup.lock
 }
 install_datasketch() {
-  python -c "import datasketch" 2>/dev/null || python -m pip install -q --no-index --find-links runs/wheels \
-    datasketch > "$1" 2>&1 || { echo "datasketch missing: carry runs/wheels (see the header)"; exit 2; }
+  python -c "import datasketch" 2>/dev/null || python -m pip install -q --no-index \
+    --find-links runs/wheels datasketch > "$1" 2>&1 \
+    || { echo "datasketch missing: carry runs/wheels (see the header)"; exit 2; }
 }
-telemetry_probe() {  # echoes the telemetry period the cells use: TELEMETRY_EVERY (default 50)
-  # once 12 steps of the study's LOO step with telemetry trained on this machine, else 0
+probe() {  # $1 log, then the optimizer's --set arguments: 12 steps of the study's step with
+  # telemetry every 5 steps and one program per step; true when they trained and logged it
+  rm -rf runs/telemetry_probe
+  timeout "$PROBE_SECONDS" python -m scaleopt.cli train --config gpt2-small \
+    --out runs/telemetry_probe --set data.source=shards --set data.path=runs/corpus_dedup \
+    --set model.vocab_size=32768 --set model.wd_policy=all --set data.batch_size=512 \
+    --set data.microbatches=64 --set run.steps=12 --set run.log_every=5 \
+    --set run.telemetry_every=5 --set run.host_phases=off --set run.eval_every=0 \
+    --set run.eval_tokens=0 --set run.checkpoint_every=0 --set run.progress=false \
+    --set run.tensorboard=false --set run.plot=false "${@:2}" >> "$1" 2>&1 \
+    && grep -q '"update_norm/' runs/telemetry_probe/metrics.jsonl
+}
+telemetry_every() {  # $1 log, $2 seconds left. Echoes the cells' telemetry period:
+  # TELEMETRY_EVERY (default 50) once both optimizers' probes trained on this machine, 0 after a
+  # failed probe (remembered) or with too little time left to probe
   local every=${TELEMETRY_EVERY:-50}
-  if [ "$every" != 0 ] && [ ! -f runs/telemetry_ok ]; then
-    rm -rf runs/telemetry_probe
-    if timeout 200 python -m scaleopt.cli train --config gpt2-small --out runs/telemetry_probe \
-        --set data.source=shards --set data.path=runs/corpus_dedup --set model.vocab_size=32768 \
-        --set model.wd_policy=all --set data.batch_size=512 --set data.microbatches=64 \
-        --set run.steps=12 --set run.log_every=5 --set run.telemetry_every=5 \
-        --set run.host_phases=off --set run.eval_every=0 --set run.eval_tokens=0 \
-        --set run.checkpoint_every=0 --set run.progress=false --set run.tensorboard=false \
-        --set run.plot=false --set optimizer.name=adamw_bc --set optimizer.extra.mode=full \
-        --set optimizer.extra.crossfit=loo > "$1" 2>&1 \
-        && grep -q bc_correction runs/telemetry_probe/metrics.jsonl; then
-      touch runs/telemetry_ok
-    else
-      echo "telemetry probe failed (telemetry_probe.log): cells train without telemetry" >&2
-      every=0
-    fi
+  if [ "$every" = 0 ] || [ -f runs/telemetry_ok ]; then echo "$every"; return; fi
+  if [ -f runs/telemetry_failed ] || [ "$2" -lt 420 ]; then echo 0; return; fi
+  PROBE_SECONDS=150
+  if probe "$1" --set optimizer.name=adamw \
+      && probe "$1" --set optimizer.name=adamw_bc --set optimizer.extra.mode=full \
+        --set optimizer.extra.crossfit=loo; then
+    touch runs/telemetry_ok
+    echo "$every"
+  else
+    touch runs/telemetry_failed
+    echo "telemetry probe failed (telemetry_probe.log): cells train without telemetry" >&2
+    echo 0
   fi
-  echo "$every"
 }
 if [ "${1:-}" = corpus ]; then
   mkdir -p runs && install_datasketch runs/pip.log
   export PYTHONPATH=.
-  setsid bash -c "echo \$\$ > runs/corpus_dedup.pid; $(declare -f build_corpus); build_corpus runs/corpus.log" \
-    < /dev/null > /dev/null 2>&1 &
+  setsid bash -c "$(declare -f build_corpus); build_corpus" < /dev/null > /dev/null 2>&1 &
   exit 0
 fi
 minutes=${1:-9}
@@ -92,13 +102,23 @@ if [ ! -f runs/$study/.committed_cells_merged ]; then
   touch runs/$study/.committed_cells_merged
 fi
 rm -f runs/worker*.log
-{ nvidia-smi -L; echo "XLA_FLAGS=${XLA_FLAGS:-}"; } > "$out/gpus.txt" 2>&1
-build_corpus "$out/corpus.log" || exit 1
-[ -f runs/corpus.log ] && cp runs/corpus.log "$out/corpus.log"
+if [ -z "${SCALEOPT_COMMIT:-}" ]; then
+  echo "note: no SCALEOPT_COMMIT: the cells record the copy's .git (it may be older than the" \
+    "files) or null" >&2
+fi
+[ -z "${SCALEOPT_COMMIT:-}" ] || export SCALEOPT_COMMIT
+[ -z "${SCALEOPT_DIRTY:-}" ] || export SCALEOPT_DIRTY
+{ nvidia-smi -L; echo "XLA_FLAGS=${XLA_FLAGS:-}";
+  echo "SCALEOPT_COMMIT=${SCALEOPT_COMMIT:-} SCALEOPT_DIRTY=${SCALEOPT_DIRTY:-}"; } \
+  > "$out/gpus.txt" 2>&1
+build_corpus; rc=$?
+cp runs/corpus.log "$out/corpus.log" 2>/dev/null
+[ "$rc" = 0 ] || exit 1
 cp runs/corpus_dedup/manifest.json "$out/corpus_manifest.json"
 left=$(( seconds - ($(date +%s) - start) ))
 [ "$left" -ge 120 ] || { echo "only $left s left after the corpus"; exit 0; }
-tele=$(telemetry_probe "$out/telemetry_probe.log")
+: > "$out/telemetry_probe.log"
+tele=$(telemetry_every "$out/telemetry_probe.log" "$left")
 left=$(( seconds - ($(date +%s) - start) ))
 [ "$left" -ge 120 ] || { echo "only $left s left after the telemetry probe"; exit 0; }
 export SCALEOPT_DEADLINE=$(( start + seconds ))

@@ -6,9 +6,11 @@
 # failed with capturing stream has unjoined work ... cuda_dnn.cc ... graph.deserialize", also
 # with XLA_FLAGS=--xla_gpu_enable_command_buffer=; the same cell without telemetry trained, and
 # telemetry at 64 x 1024 tokens (8 microbatches of 8) ran. Each variant below trains 12 steps
-# (telemetry on steps 5 and 10; one-pass LOO unless named) in its own process and prints its last lines; from the repo root:
-#   [DATA="--set data.source=shards --set data.path=runs/corpus_dedup --set model.vocab_size=32768"] \
-#     OUT=$OUT bash lab/gpu/telemetry_call.sh
+# (telemetry on steps 5 and 10; one-pass LOO unless named) in its own process, in order of
+# what they decide, while at least 160 s of SECONDS_MAX (default 560) are left, and prints its
+# last lines; from the repo root:
+#   [DATA="--set data.source=shards --set data.path=runs/corpus_dedup
+#          --set model.vocab_size=32768"] OUT=$OUT bash lab/gpu/telemetry_call.sh
 # (DATA defaults to the embedded corpus). Results go to $OUT/telemetry.log.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -18,19 +20,24 @@ base="--set data.seq_len=1024 --set data.batch_size=512 --set data.microbatches=
   --set model.wd_policy=all --set run.steps=12 --set run.log_every=5 --set run.eval_every=0
   --set run.eval_tokens=0 --set run.progress=false --set run.tensorboard=false
   --set run.plot=false --set run.checkpoint_every=0 ${DATA:-}"
-loo="--set optimizer.name=adamw_bc --set optimizer.extra.mode=full --set optimizer.extra.crossfit=loo"
+loo="--set optimizer.name=adamw_bc --set optimizer.extra.mode=full
+  --set optimizer.extra.crossfit=loo"
+start=$(date +%s)
 variant() {  # $1 name, then --set arguments
   local name=$1; shift
+  local left=$(( ${SECONDS_MAX:-560} - ($(date +%s) - start) ))
+  [ "$left" -ge 160 ] || { echo "== $name: skipped ($left s left)" | tee -a "$out/telemetry.log"
+    return; }
   echo "== $name: $*" | tee -a "$out/telemetry.log"
   rm -rf "runs/telemetry_$name"
   timeout 150 python -m scaleopt.cli train --config gpt2-small --out "runs/telemetry_$name" \
     $base "$@" 2>&1 | grep -v "^step" | tail -4 | cut -c1-400 | tee -a "$out/telemetry.log"
 }
 nvidia-smi -L > "$out/telemetry.log"
-variant control $loo --set run.telemetry_every=0
-variant adamw --set optimizer.name=adamw --set run.telemetry_every=5
 variant default $loo --set run.telemetry_every=5
 variant one_program $loo --set run.telemetry_every=5 --set run.host_phases=off
+variant adamw --set optimizer.name=adamw --set run.telemetry_every=5
+variant adamw_one_program --set optimizer.name=adamw --set run.telemetry_every=5 \
+  --set run.host_phases=off
 variant xla_attention $loo --set run.telemetry_every=5 --set model.attention_impl=xla
-variant xla_norm_loss $loo --set run.telemetry_every=5 --set model.norm_kernel=xla \
-  --set model.loss_kernel=xla
+variant control $loo --set run.telemetry_every=0

@@ -86,8 +86,7 @@ def check(key: str, setting: str, device: jax.Device | None = None) -> str | Non
     return None
   if not installed():
     return (f"model.{key}={setting} needs the tokamax package (pip install "
-            f"'scaleopt[gpu]': tokamax {MEASURED_VERSION} from its sources, Python >= 3.12); "
-            f"it is not installed")
+            f"'scaleopt[gpu]'); it is not installed")
   impl = implementation(setting)
   if impl == "xla":
     return None

@@ -262,13 +262,16 @@ def _contrasts(raw: Any, arms: dict) -> list[tuple]:
   return out
 
 
-def _twins(raw: Any, arms: dict) -> list[tuple]:
+def _twins(raw: Any, arms: dict, grid: dict) -> list[tuple]:
   """``twins``: a list of [arm_a, arm_b], two different arms with the same overrides, learning
-  rates and seeds (the same cells under two names)."""
+  rates and seeds (the same cells under two names), in a study without a ``grid``."""
   if raw is None:
     return []
   if not isinstance(raw, list):
     raise ConfigError("study key 'twins' must be a list of [arm_a, arm_b]")
+  if grid:
+    raise ConfigError("study key 'twins' needs a study without 'grid' (a twin check is one "
+                      "cell trained twice)")
   out = []
   for i, t in enumerate(raw):
     if not isinstance(t, (list, tuple)) or len(t) != 2 or not all(isinstance(x, str) for x in t):
@@ -360,7 +363,7 @@ def from_dict(raw: dict, path: Optional[pathlib.Path] = None) -> Study:
   st = Study(name, path, base, arms, baseline, list(cb), seeds, best, dict(grid), eng.kind,
              eng.cells_at_once, eng.keep_checkpoints, raw, contrasts, target,
              _sequential(raw.get("sequential"), contrasts, seeds),
-             _twins(raw.get("twins"), arms))
+             _twins(raw.get("twins"), arms, grid))
   cells = st.search_cells() + [c for a in arms for g in st.grid_points()
                                for c in st.best_lr_cells(a, g, st.lrs(a)[0])]
   if st.sequential:

@@ -58,7 +58,8 @@ def lines(st, conds) -> list[str]:
              "||u - u0|| / ||u0||: the bias-corrected update u against the plug-in update u0 "
              "(the same chain with the variance statistics set to 0), per tensor group, on the "
              "telemetry steps; each entry the median over the arm's seeds."]
-    out += ["", f"`{arm}` (lr {c.best_lr:g}, seeds {sorted(c.curves)}):", "",
+    seeds = sorted(s for s, cv in c.curves.items() if any(k.startswith(PREFIX) for k in cv))
+    out += ["", f"`{arm}` (lr {c.best_lr:g}, seeds with telemetry {seeds}):", "",
             "| group | " + " | ".join(f"step {s}" for s in steps) + " |",
             "|---" * (len(steps) + 1) + "|"]
     out += ["| " + " | ".join([g] + [f"{v:.2e}" if np.isfinite(v) else "-" for v in row]) + " |"

@@ -46,6 +46,15 @@ def test_xml_wins_over_the_log(tmp_path):
   assert kb.tests_line(str(tmp_path / "tests.xml")) == "1 passed, 1 failed, 0 skipped"
 
 
+def test_a_truncated_xml_falls_back_to_the_log_and_a_teardown_error_counts(tmp_path):
+  (tmp_path / "tests.log").write_text(LOG + f"\n{F}test_glu_kernel_matches_today"
+                                      "[shape0-tokamax_mosaic] ERROR [ 40%]\n")
+  (tmp_path / "tests.xml").write_text("<testsuites><testsuite><testcase name=")  # cut short
+  junit = str(tmp_path / "tests.xml")
+  assert ("glu", "tokamax_mosaic") in kb.failed_settings(junit)  # its last line: an error
+  assert kb.tests_line(junit) == "4 passed, 2 failed, 1 skipped (from the log: pytest stopped)"
+
+
 def test_nothing_readable_counts_every_setting_failed(tmp_path):
   bad = kb.failed_settings(str(tmp_path / "tests.xml"))
   assert ("attention", "tokamax_mosaic") in bad and ("norm", "tokamax_triton") in bad

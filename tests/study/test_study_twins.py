@@ -9,7 +9,7 @@ import pytest
 
 from scaleopt import cli
 from scaleopt.study import config as SC
-from scaleopt.study import twins
+from scaleopt.study import report, twins
 from scaleopt.train.config import ConfigError
 
 from test_study_config import BC_TINY, ROOT, _raw
@@ -77,6 +77,23 @@ def test_compare_a_final_loss_alone():
 def test_compare_values_logged_by_one_run_only():
   assert twins.compare(_row(), _row(loss={40: 2.5})).startswith(
       "differ: values logged by one run only")
+
+
+def test_summary_lists_each_twin_pair_with_its_result():
+  st = _study()
+  rows = [_row(arm="a", id="a/0"), _row(arm="a2", id="a2/0", loss={30: 2.5}),
+          _row(arm="b", id="b/0", test_loss=9.0)]
+  text = report.summary_md(st, rows, [], set())
+  lines = [ln for ln in text.split("## Twins")[1].splitlines() if ln.startswith("| a = a2")]
+  assert lines == ["| a = a2 | 0.01 | 0 | cpu | differ in 1 of 7 values; first: loss at step "
+                   "30 (2.6 vs 2.5) |"]
+  text = report.summary_md(st, [_row(arm="a", id="a/0")], [], set())
+  assert "| a = a2 | - | - | - | no seed finished by both yet |" in text
+
+
+def test_twins_in_a_study_with_a_grid_are_refused():
+  with pytest.raises(ConfigError, match="'twins' needs a study without 'grid'"):
+    _study(lambda raw: raw.update(grid={"model.wd_policy": ["iwd", "matrices-only"]}))
 
 
 def test_tiny_twin_study_trains_bitwise_equal_on_cpu(tmp_path, capsys):
