@@ -14,7 +14,8 @@ GROUPS = ("layer10.attn", "embed", "layer2.mlp")  # natural order: embed, layer2
 STEPS = (50, 100)
 # seed -> value at (group, step); per (group, step) the three seeds' values are a permutation
 # of (lo, mid, hi), so the median is `mid` whatever the order.
-MID = {(g, s): 10.0 ** -(i + 3) * (1 + j) for i, g in enumerate(GROUPS) for j, s in enumerate(STEPS)}
+MID = {(g, s): 10.0 ** -(i + 3) * (1 + j)
+       for i, g in enumerate(GROUPS) for j, s in enumerate(STEPS)}
 
 
 def _value(seed: int, g: str, s: int) -> float:
