@@ -34,8 +34,6 @@ PREFIX = "tokamax_"
 ATTENTION = ("tokamax_mosaic", "tokamax_triton", "tokamax_xla")
 GLU = ("tokamax_mosaic", "tokamax_triton", "tokamax_xla")
 NORM = ("tokamax_triton", "tokamax_xla")
-# The tokamax version the GPU kernels were measured with (pyproject's gpu extra pins its commit).
-MEASURED_VERSION = "0.0.13"
 
 
 def installed() -> bool:
@@ -94,7 +92,7 @@ def check(key: str, setting: str, device: jax.Device | None = None) -> str | Non
   if device.platform != "gpu":
     return (f"model.{key}={setting} runs on NVIDIA GPUs only; this device is "
             f"{device.platform} (use auto, xla or tokamax_xla)")
-  version = getattr(_tokamax(), "__version__", MEASURED_VERSION)
+  version = _tokamax().__version__
   if not runs_on_this_jax(key, impl, version, jax.__version__):
     return (f"model.{key}={setting}: tokamax {version}'s {impl} kernels do not run on jax "
             f"{jax.__version__} (Pallas APIs they use were removed in jax 0.11); use auto, or a "

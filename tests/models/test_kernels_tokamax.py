@@ -31,6 +31,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}
 
 
+def _assert_close(got, dgot, want, dwant, tol):
+  """The output and every input's cotangent within ``tol`` relative error."""
+  assert rel_err(got, want) < tol
+  for a, b in zip(dgot, dwant):
+    assert rel_err(a, b) < tol
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_attention_matches_xla(dtype):
   k = jax.random.split(jax.random.key(0), 3)
@@ -40,9 +47,7 @@ def test_attention_matches_xla(dtype):
   got, dgot = vjp_random(lambda *a: tokamax_ops.attention(*a, "tokamax_xla"), q, kk, v)
   want, dwant = vjp_random(lambda *a: layers.causal_attention(*a, "xla"), q, kk, v)
   assert got.dtype == dtype
-  assert rel_err(got, want) < TOL[dtype]
-  for a, b in zip(dgot, dwant):
-    assert rel_err(a, b) < TOL[dtype]
+  _assert_close(got, dgot, want, dwant, TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -54,9 +59,7 @@ def test_glu_matches_xla(dtype):
   got, dgot = vjp_random(lambda *a: tokamax_ops.gated_linear_unit(*a, "tokamax_xla"), x, wg, wu)
   want, dwant = vjp_random(lambda x, g, u: jax.nn.silu(x @ g) * (x @ u), x, wg, wu)
   assert got.shape == (2, 12, 48) and got.dtype == dtype
-  assert rel_err(got, want) < TOL[dtype]
-  for a, b in zip(dgot, dwant):
-    assert rel_err(a, b) < TOL[dtype]
+  _assert_close(got, dgot, want, dwant, TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -68,9 +71,7 @@ def test_add_norm_matches_xla(dtype):
   got, dgot = vjp_random(f("tokamax_xla"), x, h)
   want, dwant = vjp_random(f(False), x, h)
   assert got.dtype == dtype
-  assert rel_err(got, want) < TOL[dtype]
-  for a, b in zip(dgot, dwant):
-    assert rel_err(a, b) < TOL[dtype]
+  _assert_close(got, dgot, want, dwant, TOL[dtype])
 
 
 ALL_TOKAMAX = dict(attention_impl="tokamax_xla", glu_kernel="tokamax_xla",

@@ -59,12 +59,17 @@ def test_summary_lists_commits_and_cards_once_cells_record_them():
           "1x NVIDIA H100 80GB HBM3 (1), 1x NVIDIA H200 (1).") in new
 
 
-def test_a_cell_folder_recorded_before_data_seed_existed_still_matches(tmp_path):
+def _recorded_cell(tmp_path):
+  """A study, its first cell, the cell's folder with its ``cell.json`` and that record."""
   st = SC.from_dict(_raw(), BC_TINY)
   cell = st.search_cells()[0]
   d = tmp_path / "cell"
   runner.write_cell_meta(st, cell, d)
-  meta = json.loads((d / "cell.json").read_text())
+  return st, cell, d, json.loads((d / "cell.json").read_text())
+
+
+def test_a_cell_folder_recorded_before_data_seed_existed_still_matches(tmp_path):
+  st, cell, d, meta = _recorded_cell(tmp_path)
   assert meta["config"]["data.seed"] is None and "run.deterministic" not in meta["config"]
   del meta["config"]["data.seed"]  # an older record
   (d / "cell.json").write_text(json.dumps(meta))
@@ -76,11 +81,7 @@ def test_a_cell_folder_recorded_before_data_seed_existed_still_matches(tmp_path)
 
 
 def test_a_cell_folder_recorded_before_host_phases_was_cosmetic_still_matches(tmp_path):
-  st = SC.from_dict(_raw(), BC_TINY)
-  cell = st.search_cells()[0]
-  d = tmp_path / "cell"
-  runner.write_cell_meta(st, cell, d)
-  meta = json.loads((d / "cell.json").read_text())
+  st, cell, d, meta = _recorded_cell(tmp_path)
   assert "run.host_phases" not in meta["config"]
   meta["config"]["run.host_phases"] = "auto"  # an older record kept the key
   (d / "cell.json").write_text(json.dumps(meta))
