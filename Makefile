@@ -18,7 +18,7 @@ run: $(STAMP)
 
 # Three tiers, by pytest marker (pyproject.toml), each file run whole by one of two workers:
 #   test              every unit and contract test, one tiny run of each capability (budget:
-#                     8 min on 2 CPU cores; measured times in the README)
+#                     8 min on 2 CPU cores; measured times in docs/architecture.md)
 #   test-integration  `integration`: whole training runs, several processes, sharding on
 #                     simulated devices, kill loops (CI runs it after `test`)
 #   test-slow         `slow`: long studies and benchmarks-as-tests (by hand, not in CI)

@@ -5,8 +5,9 @@ run: ``setup`` builds the data, model, optimizer and mesh from the config, ``com
 shardings and jitted functions, then the state is restored (or made fresh) and ``run_cells``
 trains. ``run_cells`` is the one host loop, for an ordinary run (one cell) and for the study's
 vmapped cells (a cell axis, ``scaleopt.study.vmapped``). It only dispatches: a background thread
-makes the device batches ahead (``prefetch.Prefetch``), each step's consecutive-skip counter is
-read two steps later (two steps stay in flight), and metrics are fetched every ``log_every``
+makes the device batches ahead (``prefetch.Prefetch``; it copies nothing while a step program
+runs for the first time or the held-out set is evaluated), each step's consecutive-skip counter
+is read two steps later (two steps stay in flight), and metrics are fetched every ``log_every``
 steps.
 
 Around the loop: ``preflight`` (the output folder, dry runs), ``evaluation`` (the held-out set),
@@ -17,6 +18,7 @@ and ``flops`` (MFU).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import sys
@@ -206,8 +208,9 @@ class Cells:
   ordinary run (its metrics have no cell axis); the study's vmapped cells are ``n > 1`` (every
   metric has a leading cell axis, ``scaleopt.study.vmapped``)."""
   n: int
-  step: Any  # phased.make_stepper's step(state, batch) -> (state, metrics), .confirm, .fresh
-  feed: Any  # next() -> the next device batch; state() -> the iterator position(s) handed out
+  step: Any  # phased.make_stepper's step(state, batch) -> (state, metrics), .confirm, .fresh,
+  # .next_fresh
+  feed: Any  # prefetch.Prefetch: next(), state() (the iterator position(s) handed out), quiet()
   logs: list  # one metrics.MetricsLog per cell
   evaluate: Callable  # state -> [n] mean held-out CE (NaN without a held-out set)
   save: Callable  # (state, step, only_if_sound) -> whether it was saved
@@ -357,14 +360,17 @@ def run_cells(cfg: TrainConfig, parts: Setup, cells: Cells, state, step0: int,
   for t in range(step0, run.steps):
     batch = cells.feed.next()
     prof.before(t)
-    state, step_metrics = cells.step(state, batch)
+    first_run = cells.step.next_fresh  # no batch copies while a program first runs
+    with cells.feed.quiet() if first_run else contextlib.nullcontext():
+      state, step_metrics = cells.step(state, batch)
+      if first_run:
+        jax.block_until_ready(step_metrics["loss"])
     res.done = done = t + 1
     prof.after(done, step_metrics["loss"])
     if meter.compile_s is None:
       jax.block_until_ready(step_metrics["loss"])
       meter.first_step_done(done)
     elif cells.step.fresh:  # a host-picked program's first run
-      jax.block_until_ready(step_metrics["loss"])
       meter.restart(done)
     pending.append(step_metrics)
     if len(behind) == 2:
@@ -383,7 +389,8 @@ def run_cells(cfg: TrainConfig, parts: Setup, cells: Cells, state, step0: int,
       tps = meter.interval(done)  # of all cells together
       rows = progress.rows(done, fetched, n, meter, tps)
       if is_eval:
-        res.eval_loss = cells.evaluate(state)
+        with cells.feed.quiet():
+          res.eval_loss = cells.evaluate(state)
         meter.pause_done()
       mfu = tps * flops_per_token / peak_all if peak_all and tps == tps else None
       progress.report(rows, cells.logs, res.eval_loss if is_eval else None, mfu, run.steps,

@@ -124,10 +124,19 @@ class Dispatcher:
     self._sent: collections.deque = collections.deque()  # (key, step) not yet confirmed
     self._redo = None
 
-  def __call__(self, state, batch):
+  def _next_key(self) -> tuple:
     key = self.phased.key({"step": self.step, "count": self.count})
     if self._redo is not None:
-      key, self._redo = tuple(a or b for a, b in zip(key, self._redo)), None
+      key = tuple(a or b for a, b in zip(key, self._redo))
+    return key
+
+  @property
+  def next_fresh(self) -> bool:
+    """The next step will run a program for the first time."""
+    return self._next_key() not in self._ran
+
+  def __call__(self, state, batch):
+    key, self._redo = self._next_key(), None
     self._sent.append((key, self.step))
     self.fresh = key not in self._ran
     self._ran.add(key)
@@ -152,12 +161,14 @@ class Dispatcher:
 class OneProgram:
   """The one-program step (device branches) behind ``Dispatcher``'s interface."""
   shifts = 0
-  fresh = False
+  fresh = False  # the loop times the first step's compile itself
 
   def __init__(self, step_fn: Callable):
     self._fn = step_fn
+    self.next_fresh = True
 
   def __call__(self, state, batch):
+    self.next_fresh = False
     return self._fn(state, batch)
 
   def confirm(self, skipped: bool) -> None:

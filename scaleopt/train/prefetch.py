@@ -12,10 +12,17 @@ predicate on the host, so dispatching it returns only once the previous step has
 batch's host work then hides behind the step only when it runs beside it, in this thread. In
 data preparation the thread reads and parses the inputs while the encoder (which releases the
 GIL) tokenizes the previous batch.
+
+``Prefetch.quiet()`` holds the copies back while a block runs: the trainer runs each step
+program's first execution in it. On a GPU that first run loads the program's cuDNN graphs, and
+cuDNN's loader captures the compute stream into a CUDA graph; a host-to-device copy that has to
+wait for that stream (its memory was last used by a step) can join the capture and make it fail
+("capturing stream has unjoined work").
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from typing import Any, Callable, Iterator, Optional
@@ -88,11 +95,16 @@ class Prefetch(Ahead):
   out so far; an error of ``it`` is raised by the ``next()`` that reaches it."""
 
   def __init__(self, it, put: Callable, count: int, depth: int = 2):
+    import jax  # here: data preparation uses ``Ahead`` without JAX installed
     self._state = it.state()
+    self._copy = threading.Lock()  # held from a copy's start until it has landed
 
     def batches():
       for _ in range(count):
-        yield put(it.next()), it.state()
+        host = it.next()
+        with self._copy:
+          batch = jax.block_until_ready(put(host))
+        yield batch, it.state()
 
     super().__init__(batches(), depth, name="scaleopt-batches")
 
@@ -108,6 +120,13 @@ class Prefetch(Ahead):
 
   def state(self) -> dict:
     return self._state
+
+  @contextlib.contextmanager
+  def quiet(self):
+    """No copy to the devices is in flight or starts while the block runs (the one in flight
+    lands first); the host work on the next batches goes on."""
+    with self._copy:
+      yield
 
   def close(self, timeout: Optional[float] = 10) -> None:
     super().close(timeout)

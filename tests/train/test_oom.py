@@ -32,7 +32,7 @@ def test_first_step_out_of_memory_is_one_line_exit_2(monkeypatch, capsys, tmp_pa
   def stepper(*_):
     def step(state, batch):
       raise jax.errors.JaxRuntimeError(GPU)
-    return step
+    return phased.OneProgram(step)
 
   monkeypatch.setattr(phased, "make_stepper", stepper)  # the compiled step runs out of memory
   cfg = tmp_path / "c.yaml"

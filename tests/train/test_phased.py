@@ -120,3 +120,43 @@ def test_programs_that_do_not_fit_side_by_side_fall_back_to_one(monkeypatch, cap
   monkeypatch.setattr(faults, "pool_bytes", lambda: 2 ** 20)  # 1 MiB per device
   assert isinstance(phased.make_stepper(fns, state, 0, s.cfg.run.steps, batch), phased.OneProgram)
   assert "running one program with device branches" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_first_runs_and_evaluations_copy_no_batch(tmp_path, monkeypatch):
+  """Each host-picked program's first run, and each evaluation, runs inside the batch feed's
+  ``quiet()`` and waits for its result there; the other steps run beside the copies."""
+  from scaleopt.train import evaluation, prefetch
+  quiet, calls, evals = [False], [], []
+  real_quiet, real_call = prefetch.Prefetch.quiet, phased.PhasedStep.__call__
+  real_make = evaluation.make_evaluate
+
+  def spy_quiet(self):
+    cm = real_quiet(self)
+    class _Spy:
+      def __enter__(s):
+        cm.__enter__()
+        quiet[0] = True
+      def __exit__(s, *a):
+        quiet[0] = False
+        return cm.__exit__(*a)
+    return _Spy()
+
+  def spy_call(self, key, state, batch):
+    calls.append((key, quiet[0]))
+    return real_call(self, key, state, batch)
+
+  def spy_make(*a, **kw):
+    fn = real_make(*a, **kw)
+    return lambda params: (evals.append(quiet[0]), fn(params))[1]
+
+  monkeypatch.setattr(prefetch.Prefetch, "quiet", spy_quiet)
+  monkeypatch.setattr(phased.PhasedStep, "__call__", spy_call)
+  monkeypatch.setattr(evaluation, "make_evaluate", spy_make)
+  raw = json.loads(json.dumps(RAW))
+  raw["run"].update(host_phases="on", eval_every=3, eval_tokens=256)
+  loop.train(C.from_dict(raw), tmp_path / "run")
+  keys = [k for k, _ in calls]
+  assert len(calls) == RAW["run"]["steps"] and len(set(keys)) == 2
+  assert [q for _, q in calls] == [k not in keys[:i] for i, k in enumerate(keys)]
+  assert evals == [True, True]

@@ -184,3 +184,34 @@ def test_batches_made_ahead_keep_order_position_and_errors():
   done.next()
   with pytest.raises(RuntimeError, match="more batches asked"):
     done.next()
+
+
+def test_no_copy_is_in_flight_or_starts_while_quiet():
+  """``Prefetch.quiet()`` waits for the copy in flight to land, and no copy starts until the
+  block ends; the host work on the next batch goes on meanwhile."""
+  import threading
+  import time
+  from scaleopt.train.prefetch import Prefetch
+  events, rows = [], _Rows()
+  third = threading.Event()
+
+  def put(batch):
+    events.append(("start", time.monotonic()))
+    if len(events) == 5:  # the third copy (two queued)
+      third.set()
+    time.sleep(0.05)
+    events.append(("landed", time.monotonic()))
+    return batch
+
+  feed = Prefetch(rows, put, count=50, depth=2)
+  assert third.wait(5)
+  with feed.quiet():
+    t0 = time.monotonic()
+    assert int(feed.next()["tokens"][0, 0, 0]) == 0  # a queued batch; frees a place
+    time.sleep(0.3)
+    t1 = time.monotonic()
+    assert rows.chunk == 4  # the thread took the next batch from the iterator
+  assert all(t <= t0 or t >= t1 for _, t in events), events  # nothing during the block
+  assert [k for k, t in events if t <= t0] == ["start", "landed"] * 3  # the third landed first
+  assert [int(feed.next()["tokens"][0, 0, 0]) for _ in range(3)] == [1, 2, 3]  # copies go on
+  feed.close()
