@@ -3,6 +3,7 @@
   PYTHONPATH=. python benchmarks/determinism.py --out DIR [--steps 16] [--optimizers adamw,loo]
       [--nondet-runs 1] [--deadline UNIX_SECONDS] [--config configs/train/gpt2-small.yaml]
       [--shape paper|config] [--data PATH] [--set KEY=VALUE ...] [--no-probe]
+      [--det-attention tokamax_mosaic]
 
 Trains each optimizer (``adamw``: the paper's AdamW baseline; ``loo``: one-pass LOO with the
 Jensen term, the bc_paper_gpt2 study's ``loo`` arm) with ``scaleopt train`` in fresh
@@ -18,6 +19,13 @@ value of every ``metrics.jsonl`` row except the timing columns is compared bit f
 (IEEE-754 float64 bits of the JSON numbers, which hold the float32 values exactly), and the
 deterministic runs' ``state_sha256`` (a digest of the final parameters and optimizer state).
 ms/step: the trainer's own training time over the steps after the first quarter.
+
+``--det-attention IMPL``: the deterministic runs set ``model.attention_impl=IMPL``, an attention
+the trainer refuses under the switch until it is shown run-to-run equal (tokamax's
+``tokamax_mosaic``: its Hopper backward computes dQ and dK/dV in separate kernels, each output
+tile summed in a fixed order without atomics, and its block sizes come from tokamax's shipped
+table or heuristics, not from timing). This benchmark lifts that refusal in its own processes:
+it is the check that decides whether the trainer may allow it.
 
 ``--shape paper``: the paper's step on gpt2-small (512 x 1024 tokens as 64 microbatches of 8,
 vocabulary 32,768, weight decay 0.1 on every parameter, clip 1.0, cosine with 20 warm-up steps
@@ -72,15 +80,29 @@ def run_overrides(args, opt: str, deterministic: bool) -> list[str]:
           "run.checkpoint_every=0", "run.keep_checkpoints=1", "run.progress=false",
           "run.tensorboard=false", "run.plot=false", "run.telemetry_every=0",
           f"run.deterministic={'true' if deterministic else 'false'}", *args.set]
+  if deterministic and args.det_attention:
+    out.append(f"model.attention_impl={args.det_attention}")
   return out
+
+
+def allow_attention(determinism, impl: str) -> None:
+  """Lets ``model.attention_impl=impl`` run under the switch in this process (``--det-attention``):
+  ``determinism.model_config`` passes it through unchanged."""
+  refuse = determinism.model_config
+
+  def model_config(cfg, deterministic, platform):
+    return cfg if cfg.attention_impl == impl else refuse(cfg, deterministic, platform)
+
+  determinism.model_config = model_config
 
 
 # ------------------------------------------------------------------------------------------
 # The worker: one process, one pass over the optimizers.
 
 
-def probe(reps: int = 5) -> dict:
-  """Single operations run ``reps`` times on the same inputs: how many distinct results."""
+def probe(reps: int = 5, attention: str | None = None) -> dict:
+  """Single operations run ``reps`` times on the same inputs: how many distinct results
+  (``attention``: also that ``model.attention_impl``'s forward + backward)."""
   import hashlib
 
   import jax
@@ -117,6 +139,15 @@ def probe(reps: int = 5) -> dict:
       "embedding gradient (scatter-add)": (jax.jit(jax.grad(embed)), (emb, tokens, g)),
       f"matmul bf16 {M}x{4 * d}x{d}": (jax.jit(lambda a, b: a @ b), (a, b)),
   }
+  if attention:
+    from scaleopt.models import tokamax_ops
+
+    def other(q, kk, v, do):
+      o = tokamax_ops.attention(q, kk, v, attention)
+      return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    cases[f"attention fwd+bwd ({attention})"] = (jax.jit(jax.grad(other, argnums=(0, 1, 2))),
+                                                  (q, kk, v, do))
   out = {}
   for name, (f, xs) in cases.items():
     try:
@@ -130,11 +161,13 @@ def worker(args) -> int:
   from scaleopt.train import checkpoint, determinism, mesh
   mesh.set_launch_xla_flags()  # what `scaleopt train` sets, before the probe starts the backend
   determinism.prepare(args.deterministic)
+  if args.deterministic and args.det_attention:
+    allow_attention(determinism, args.det_attention)
   checkpoint.Checkpointer.save = lambda self, *a, **k: None  # no final checkpoint write
   from scaleopt import cli
   rec = {"deterministic": args.deterministic, "xla_flags": os.environ.get("XLA_FLAGS", "")}
   if not args.no_probe:
-    rec["probe"] = probe()
+    rec["probe"] = probe(attention=args.det_attention)
     print("probe:", json.dumps(rec["probe"]), flush=True)
   rec["runs"] = {}
   for opt in args.optimizers.split(","):
@@ -206,6 +239,7 @@ def launch(args, tag: str, deterministic: bool, log: pathlib.Path, extra=()) -> 
   cmd += ["--deterministic"] if deterministic else []
   cmd += ["--no-probe"] if args.no_probe else []
   cmd += ["--data", args.data] if args.data else []
+  cmd += ["--det-attention", args.det_attention] if args.det_attention else []
   for s in [*args.set, *extra]:
     cmd += ["--set", s]
   timeout = max(30, args.deadline - time.time()) if args.deadline else None
@@ -346,6 +380,8 @@ def main(argv=None) -> int:
   p.add_argument("--data", default=None)
   p.add_argument("--set", action="append", default=[])
   p.add_argument("--no-probe", action="store_true")
+  p.add_argument("--det-attention", default=None,
+                 help="the deterministic runs' model.attention_impl (see the module docstring)")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--tag", default="", help=argparse.SUPPRESS)
   p.add_argument("--deterministic", action="store_true", help=argparse.SUPPRESS)

@@ -21,6 +21,9 @@
 # Provenance: the device's copy of the tree has no .git, so the runs record the commit from
 # SCALEOPT_COMMIT (and SCALEOPT_DIRTY=1 when the tree sent differs from it); name them in the
 # call (the sha as text: the device has no git). gpus.txt records them.
+# DET_ATTENTION=tokamax_mosaic: the deterministic runs use tokamax's Mosaic attention instead of
+# XLA's (benchmarks/determinism.py --det-attention; the probe adds its forward + backward);
+# carry .whl (the wheels of lab/gpu/kernels_call.sh's header), installed into /tmp/site.
 # BENCH_ARGS: more arguments of benchmarks/determinism.py (a CPU check of this script:
 # BENCH_ARGS="--config configs/train/tiny.yaml --shape config --no-probe" STEPS=4).
 set -uo pipefail
@@ -33,6 +36,13 @@ mkdir -p "$out" runs
 rm -rf "$work"
 data=${DATA:-}
 [ -n "$data" ] || [ ! -f runs/corpus/manifest.json ] || data=runs/corpus
+det_attention=${DET_ATTENTION:-}
+if [ -n "$det_attention" ]; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl > "$out/pip.log" 2>&1 \
+    || { echo "DET_ATTENTION needs the wheels in .whl (carry it)"; tail -5 "$out/pip.log"; exit 2; }
+  export PYTHONPATH=.:/tmp/site
+fi
 if [ ! -e .git ] && [ -z "${SCALEOPT_COMMIT:-}" ]; then
   echo "note: no .git and no SCALEOPT_COMMIT: the runs record commit null" >&2
 fi
@@ -40,11 +50,13 @@ fi
 [ -z "${SCALEOPT_DIRTY:-}" ] || export SCALEOPT_DIRTY
 { nvidia-smi -L; echo "XLA_FLAGS=${XLA_FLAGS:-}"; echo "DATA=${data:-embedded}";
   echo "SCALEOPT_COMMIT=${SCALEOPT_COMMIT:-} SCALEOPT_DIRTY=${SCALEOPT_DIRTY:-}";
-  python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)"; } \
+  python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)"
+  [ -z "$det_attention" ] || python -c "import tokamax; print('tokamax', tokamax.__version__)"; } \
   > "$out/gpus.txt" 2>&1
 python benchmarks/determinism.py --out "$work" --steps "${STEPS:-12}" \
   --nondet-runs "${NONDET_RUNS:-2}" --deadline $(( start + limit )) \
-  ${data:+--data "$data"} ${BENCH_ARGS:-} > "$work.log" 2>&1
+  ${data:+--data "$data"} ${det_attention:+--det-attention "$det_attention"} ${BENCH_ARGS:-} \
+  > "$work.log" 2>&1
 rc=$?
 cp "$work/determinism.md" "$work/determinism.json" "$out/" 2>/dev/null
 { cat "$work.log"; for f in "$work"/logs/*.log; do echo "== $f"; grep -v "^\s*$" "$f" | tail -n 40; done; } \

@@ -1,5 +1,7 @@
 """run.deterministic: the XLA flags and when they can be set; the state digest."""
 
+import argparse
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -267,3 +269,20 @@ def test_the_benchmark_adds_a_run_with_the_deterministic_kernels(monkeypatch, tm
   gpu[0] = "xla"
   bench.run_plan(args, tmp_path / "cpu", ["adamw", "loo"])
   assert [c[0] for c in calls] == ["det1", "nondet1", "det2", "nondet2"]
+
+
+def test_the_benchmark_runs_a_refused_attention_only_in_its_deterministic_runs(monkeypatch):
+  """``--det-attention``: the deterministic runs set that attention, and the benchmark's
+  processes let exactly that one through the switch's refusal."""
+  monkeypatch.setattr(det, "model_config", det.model_config)  # undone after the test
+  args = argparse.Namespace(
+      shape="config", data=None, steps=2, set=[], det_attention="tokamax_mosaic")
+  assert "model.attention_impl=tokamax_mosaic" in bench.run_overrides(args, "adamw", True)
+  assert not any("attention_impl" in o for o in bench.run_overrides(args, "adamw", False))
+  bench.allow_attention(det, "tokamax_mosaic")
+  cfg = _train_cfg(attention_impl="tokamax_mosaic")
+  assert det.model_spec(cfg, platform="gpu", environ={}) is cfg.model
+  assert det.model_spec(_train_cfg(), platform="gpu",  # auto: still XLA's attention
+                        environ={}).config.attention_impl == "xla"
+  with pytest.raises(ConfigError, match="tokamax_triton"):
+    det.model_spec(_train_cfg(attention_impl="tokamax_triton"), platform="gpu", environ={})
