@@ -1,8 +1,8 @@
 """Limit the threads of the LAPACK/BLAS that JAX's CPU linear algebra calls (scipy's OpenBLAS).
 
 XLA:CPU runs `eigh` through scipy's OpenBLAS/LAPACK. OpenBLAS spins its own thread pool on top of
-XLA's; on a busy 2-core machine that oversubscription made one 1024 x 1024 float64 eigh take
-2-7 s instead of 0.2-0.4 s, and occasionally stalled a sweep. `limit_blas_threads(1)` sets the
+XLA's; on a busy machine with few cores that oversubscription makes a large float64 eigh many
+times slower and can stall a sweep. `limit_blas_threads(1)` sets the
 thread count through the library's own `*_set_num_threads` entry point (found in the loaded
 shared objects, Linux only) and restores it on exit; elsewhere it does nothing.
 """

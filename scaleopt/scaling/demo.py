@@ -9,7 +9,7 @@ from scaleopt.scaling import config, sweep
 
 
 def run_default(out_dir: pathlib.Path) -> list[dict]:
-  """Run configs/sweeps/small.yaml (well under 3 minutes on 2 CPU cores) into out_dir/sweep/."""
+  """Run configs/sweeps/small.yaml (sized for a CPU) into out_dir/sweep/."""
   out = pathlib.Path(out_dir) / "sweep"
   cfg = config.load_config(resolve_config("small", "sweep"))
   print(f"\n== scaling-exponent sweep (preset '{cfg['name']}', configs/sweeps/small.yaml) ==")

@@ -4,7 +4,7 @@ Two runs of one config on the same card, device count and software give bitwise-
 losses and parameters at every step when every source of run-to-run variation is fixed:
 
 * the data order: ``numpy.random.default_rng([data seed, epoch])`` (``train.data.Batches``),
-  made by one background thread in order (``loop.Prefetch``); the held-out windows by a fixed
+  made by one background thread in order (``prefetch.Prefetch``); the held-out windows by a fixed
   seed. No other host random numbers enter a step. (Deterministic with or without the switch.)
 * initialization and per-step keys: ``jax.random`` from ``run.seed`` (also without it).
 * XLA's GPU programs: ``DETERMINISTIC_XLA_FLAGS``, XLA's deterministic mode

@@ -41,8 +41,8 @@ def collector_options(*, loo_passes: Optional[int] = None,
       the folds, unrolled, so that XLA can fuse them with the running sums (fewer, larger
       kernels per fold; docs/benchmarks.md has the step times). The folds run in the
       same order; the statistics are the same up to float32 rounding (XLA's fusion of the
-      arithmetic). Default 8 (at most m) on GPUs and TPUs, 1 on CPU (where unrolling about
-      doubles the step's compile time); 1 folds one stored gradient at a time. It does not
+      arithmetic). Default 8 (at most m) on GPUs and TPUs, 1 on CPU (where unrolling
+      lengthens the step's compile); 1 folds one stored gradient at a time. It does not
       apply to vmapped microbatches split over devices (folded where they lie).
 
   None leaves a setting to the default (or to another element of the chain).

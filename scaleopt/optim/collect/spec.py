@@ -25,8 +25,8 @@ FOLD_CHUNK = 8
 
 def default_fold_chunk(backend: Optional[str] = None) -> int:
   """Folds per scan step when ``loo_fold_chunk`` is unset: ``FOLD_CHUNK`` on accelerators, 1 on
-  CPU, where the unrolled folds about double the step's XLA compile time and the runs that
-  use CPUs (tests, small models) spend more time compiling than folding."""
+  CPU, where the unrolled folds lengthen the step's XLA compile and the runs that use CPUs
+  (tests, small models) spend more time compiling than folding."""
   return 1 if (backend or jax.default_backend()) == "cpu" else FOLD_CHUNK
 
 
