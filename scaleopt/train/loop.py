@@ -208,8 +208,8 @@ class Cells:
   ordinary run (its metrics have no cell axis); the study's vmapped cells are ``n > 1`` (every
   metric has a leading cell axis, ``scaleopt.study.vmapped``)."""
   n: int
-  step: Any  # phased.make_stepper's step(state, batch) -> (state, metrics), .confirm, .fresh,
-  # .next_fresh
+  step: Any  # phased.make_stepper's step(state, batch) -> (state, metrics); .confirm, .fresh
+  # (the last step was a program's first run), .next_fresh (the next one will be)
   feed: Any  # prefetch.Prefetch: next(), state() (the iterator position(s) handed out), quiet()
   logs: list  # one metrics.MetricsLog per cell
   evaluate: Callable  # state -> [n] mean held-out CE (NaN without a held-out set)
@@ -367,8 +367,7 @@ def run_cells(cfg: TrainConfig, parts: Setup, cells: Cells, state, step0: int,
         jax.block_until_ready(step_metrics["loss"])
     res.done = done = t + 1
     prof.after(done, step_metrics["loss"])
-    if meter.compile_s is None:
-      jax.block_until_ready(step_metrics["loss"])
+    if meter.compile_s is None:  # the first step ran as a first run: its result is in
       meter.first_step_done(done)
     elif cells.step.fresh:  # a host-picked program's first run
       meter.restart(done)
